@@ -1,0 +1,1 @@
+"""dniasync.train."""
