@@ -111,12 +111,12 @@ class ActorSystem:
             try:
                 await self._tg.__aexit__(exc_type, exc, tb)
             except BaseExceptionGroup as group:
-                if self._failure is None:
+                # actor tasks never raise; the group holds the body's own error and/or the escalation
+                if group.subgroup(lambda e: not isinstance(e, (BaseExceptionGroup, SupervisionEscalated)) and e is not exc):
                     raise
-                escalated = group.subgroup(SupervisionEscalated)
-                if escalated is None or group.subgroup(lambda e: not isinstance(e, SupervisionEscalated)):
-                    raise
-                raise escalated.exceptions[0] from self._failure
+                if self._failure is not None:
+                    raise SupervisionEscalated("a failure escalated past the root supervisor") from self._failure
+                return  # only the body's exception: let it propagate unwrapped
             finally:
                 if self._executor is not None:
                     self._executor.shutdown(wait=True)
