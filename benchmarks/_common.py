@@ -1,0 +1,69 @@
+"""What every benchmark shares: machine info, the JSON layout, the ratio table.
+
+See shared/BENCHMARKS.md: side by side in one run, ratios oriented so that
+bigger is better, computed from the results in the same file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="small sizes, under a minute; results are not for committing")
+    return p
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "python": platform.python_version()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except ImportError:
+        pass
+    try:
+        import uvloop
+
+        info["uvloop"] = uvloop.__version__
+    except ImportError:
+        pass
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+        info["commit"] = commit
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return info
+
+
+def write(bench: str, quick: bool, results: dict[str, Any], ratios: dict[str, float]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / (f"{bench}_quick.json" if quick else f"{bench}.json")
+    doc = {"bench": bench, "quick": quick, "machine": machine(), "results": results, "ratios": ratios}
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
+
+
+def table(rows: list[tuple[str, str, str]], header: tuple[str, str, str]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+    sys.stdout.flush()
