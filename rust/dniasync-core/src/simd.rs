@@ -1,0 +1,154 @@
+//! Vector-friendly building blocks shared by the kernels.
+//!
+//! The store is made of `AtomicU32` cells, and LLVM never vectorises atomic
+//! accesses. Kernels therefore stage a chunk of cells into a stack buffer with
+//! wide moves, compute on plain `f32` slices (which do vectorise), and write the
+//! chunk back. The wide moves are inline assembly: to the Rust abstract machine
+//! an `asm!` block is an opaque operation, and each naturally aligned 4-byte lane
+//! of an x86 vector move is accessed as one unit, so the block behaves as a run of
+//! relaxed 32-bit atomic loads or stores, never a data race.
+
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+
+/// Elements per staged chunk: four f32 buffers of this size fit in L1.
+pub const CHUNK: usize = 1024;
+
+/// Defines `fn $name(args) -> ret` that runs its body compiled for AVX2+FMA when
+/// the CPU has them (checked at run time) and for the baseline target otherwise.
+macro_rules! multiversion {
+    ($(#[$m:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+        $(#[$m])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            fn body($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+                    body($($arg),*)
+                }
+                if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                    // SAFETY: the CPU supports the features `avx2` was compiled for.
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            body($($arg),*)
+        }
+    };
+}
+pub(crate) use multiversion;
+
+/// Copies `src` cells into `dst` (relaxed, per element).
+#[inline(always)]
+pub fn load_cells(src: &[AtomicU32], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    let wide = wide_prefix(src.len());
+    #[cfg(target_arch = "x86_64")]
+    if wide > 0 {
+        // SAFETY: both ranges hold `wide` valid, 4-byte aligned elements; see module docs.
+        unsafe { move16(src.as_ptr().cast(), dst.as_mut_ptr().cast(), wide) };
+    }
+    for (d, s) in dst[wide..].iter_mut().zip(&src[wide..]) {
+        *d = f32::from_bits(s.load(Relaxed));
+    }
+}
+
+/// Copies `src` into the `dst` cells (relaxed, per element).
+#[inline(always)]
+pub fn store_cells(dst: &[AtomicU32], src: &[f32]) {
+    assert_eq!(src.len(), dst.len());
+    let wide = wide_prefix(src.len());
+    #[cfg(target_arch = "x86_64")]
+    if wide > 0 {
+        // SAFETY: as in `load_cells`; the cells are shared, so writes go through asm.
+        unsafe { move16(src.as_ptr().cast(), dst.as_ptr().cast_mut().cast(), wide) };
+    }
+    for (d, s) in dst[wide..].iter().zip(&src[wide..]) {
+        d.store(s.to_bits(), Relaxed);
+    }
+}
+
+#[inline(always)]
+fn wide_prefix(n: usize) -> usize {
+    if cfg!(target_arch = "x86_64") {
+        n & !15
+    } else {
+        0
+    }
+}
+
+/// Moves `n` (a positive multiple of 16) 4-byte elements with 16-byte SSE moves.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn move16(src: *const u8, dst: *mut u8, n: usize) {
+    std::arch::asm!(
+        "2:",
+        "movups xmm0, [{s} + {i}]",
+        "movups xmm1, [{s} + {i} + 16]",
+        "movups xmm2, [{s} + {i} + 32]",
+        "movups xmm3, [{s} + {i} + 48]",
+        "movups [{d} + {i}], xmm0",
+        "movups [{d} + {i} + 16], xmm1",
+        "movups [{d} + {i} + 32], xmm2",
+        "movups [{d} + {i} + 48], xmm3",
+        "add {i}, 64",
+        "cmp {i}, {end}",
+        "jb 2b",
+        s = in(reg) src,
+        d = in(reg) dst,
+        i = inout(reg) 0usize => _,
+        end = in(reg) n * 4,
+        out("xmm0") _, out("xmm1") _, out("xmm2") _, out("xmm3") _,
+        options(nostack),
+    );
+}
+
+/// True when no element is NaN or ±Inf (exponent bits all ones).
+#[inline(always)]
+pub fn all_finite_body(x: &[f32]) -> bool {
+    const EXP: u32 = 0x7f80_0000;
+    let mut bad = 0u32;
+    let chunks = x.chunks_exact(64);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for v in c {
+            bad |= u32::from(v.to_bits() & EXP == EXP);
+        }
+        if bad != 0 {
+            return false;
+        }
+    }
+    tail.iter().all(|v| v.is_finite())
+}
+
+multiversion! {
+    /// True when every element of `x` is finite.
+    pub fn all_finite(x: &[f32]) -> bool {
+        all_finite_body(x)
+    }
+}
+
+/// Sum of squares in eight f64 lanes (f64 so that large finite values cannot overflow).
+#[inline(always)]
+pub fn norm_sq_body(x: &[f32]) -> f64 {
+    let mut lanes = [0f64; 8];
+    let exact = x.chunks_exact(8);
+    let tail = exact.remainder();
+    for c in exact {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            *l += f64::from(v) * f64::from(v);
+        }
+    }
+    lanes.iter().sum::<f64>()
+        + tail
+            .iter()
+            .map(|&v| f64::from(v) * f64::from(v))
+            .sum::<f64>()
+}
+
+multiversion! {
+    /// Squared L2 norm of `x`.
+    pub fn norm_sq(x: &[f32]) -> f64 {
+        norm_sq_body(x)
+    }
+}

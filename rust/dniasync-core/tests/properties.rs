@@ -1,0 +1,402 @@
+//! Property tests of the store, optimizers and codecs against straightforward references.
+// Index loops read best when comparing several parallel arrays element by element.
+#![allow(clippy::needless_range_loop)]
+use dniasync_core::quant::{int8, onebit, threshold};
+use dniasync_core::{
+    CoreError, Dense, Layout, NonFinitePolicy, Optimizer, OptimizerConfig, ParamStore, SegmentSpec,
+};
+use proptest::prelude::*;
+use std::sync::Arc;
+
+fn store(lens: &[usize], cfg: OptimizerConfig) -> ParamStore {
+    let segs = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| SegmentSpec::new(format!("s{i}"), n))
+        .collect();
+    ParamStore::new(Layout::new(segs, cfg)).unwrap()
+}
+
+fn read(s: &ParamStore, seg: usize, slot: usize) -> Vec<f32> {
+    let mut out = vec![0.0; s.segments()[seg].len];
+    s.read_into(seg, slot, &mut out).unwrap();
+    out
+}
+
+fn vec_f32(n: std::ops::Range<usize>) -> impl Strategy<Value = Vec<f32>> {
+    prop::collection::vec(-4.0f32..4.0, n)
+}
+
+fn close(a: f32, b: f32, tol: f32) -> bool {
+    (a - b).abs() <= tol * (1.0 + a.abs().max(b.abs()))
+}
+
+/// Reference optimizer, one element at a time, written as the papers and torch docs state it.
+fn reference_step(
+    cfg: &OptimizerConfig,
+    w: &mut [f32],
+    s1: &mut [f32],
+    s2: &mut [f32],
+    g: &[f32],
+    lr: f32,
+    t: i32,
+) {
+    let norm = g.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+    let scale = match cfg.clip_norm {
+        Some(c) if norm > f64::from(c) => (f64::from(c) / (norm + 1e-6)) as f32,
+        _ => 1.0,
+    };
+    for i in 0..w.len() {
+        let d = g[i] * scale + cfg.weight_decay * w[i];
+        match cfg.optimizer {
+            Optimizer::Sgd => w[i] -= lr * d,
+            Optimizer::Momentum { momentum } => {
+                s1[i] = momentum * s1[i] + d;
+                w[i] -= lr * s1[i];
+            }
+            Optimizer::Nesterov { momentum } => {
+                s1[i] = momentum * s1[i] + d;
+                w[i] -= lr * (d + momentum * s1[i]);
+            }
+            Optimizer::Adagrad { eps } => {
+                s1[i] += d * d;
+                w[i] -= lr * d / (s1[i].sqrt() + eps);
+            }
+            Optimizer::Adam { beta1, beta2, eps } => {
+                s1[i] = beta1 * s1[i] + (1.0 - beta1) * d;
+                s2[i] = beta2 * s2[i] + (1.0 - beta2) * d * d;
+                let mhat = s1[i] / (1.0 - beta1.powi(t));
+                let vhat = s2[i] / (1.0 - beta2.powi(t));
+                w[i] -= lr * mhat / (vhat.sqrt() + eps);
+            }
+        }
+    }
+}
+
+fn optimizers() -> impl Strategy<Value = OptimizerConfig> {
+    let opt = prop_oneof![
+        Just(Optimizer::Sgd),
+        (0.0f32..0.99).prop_map(|momentum| Optimizer::Momentum { momentum }),
+        (0.0f32..0.99).prop_map(|momentum| Optimizer::Nesterov { momentum }),
+        Just(Optimizer::Adagrad { eps: 1e-10 }),
+        (0.5f32..0.95, 0.9f32..0.9999).prop_map(|(beta1, beta2)| Optimizer::Adam {
+            beta1,
+            beta2,
+            eps: 1e-8
+        }),
+    ];
+    (
+        opt,
+        prop_oneof![Just(0.0f32), 0.0f32..0.1],
+        prop::option::of(0.5f32..20.0),
+    )
+        .prop_map(|(optimizer, weight_decay, clip_norm)| OptimizerConfig {
+            optimizer,
+            weight_decay,
+            clip_norm,
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn optimizer_matches_reference(
+        cfg in optimizers(),
+        init in vec_f32(1..3000),
+        seed_grads in prop::collection::vec(vec_f32(3000..3001), 1..4),
+        lr in 0.001f32..0.5,
+    ) {
+        let n = init.len();
+        let s = store(&[n], cfg);
+        s.write(0, 0, &init).unwrap();
+        let (mut w, mut s1, mut s2) = (init.clone(), vec![0f32; n], vec![0f32; n]);
+        for (t, g) in seed_grads.iter().enumerate() {
+            let g = &g[..n];
+            s.step_dense(0, g, lr).unwrap();
+            reference_step(&cfg, &mut w, &mut s1, &mut s2, g, lr, t as i32 + 1);
+        }
+        let got = read(&s, 0, 0);
+        for i in 0..n {
+            prop_assert!(close(got[i], w[i], 1e-4), "element {}: store {} reference {}", i, got[i], w[i]);
+        }
+        if cfg.optimizer.state_slots() > 0 {
+            let st = read(&s, 0, 1);
+            for i in 0..n {
+                prop_assert!(close(st[i], s1[i], 1e-4), "state {}: store {} reference {}", i, st[i], s1[i]);
+            }
+        }
+        prop_assert_eq!(s.version(0).unwrap(), seed_grads.len() as u64 + 1);
+    }
+
+    #[test]
+    fn threshold_roundtrip_conserves_gradient(
+        steps in prop::collection::vec(vec_f32(500..501), 1..5),
+        tau in 0.05f32..3.0,
+    ) {
+        let n = 500;
+        let mut enc = threshold::ThresholdEncoder::new(n, tau).unwrap();
+        let mut codes = Vec::new();
+        let mut decoded = vec![0f32; n];
+        for g in &steps {
+            let old = enc.residual().to_vec();
+            enc.encode(g, &mut codes).unwrap();
+            threshold::decode(&codes, tau, &mut decoded).unwrap();
+            for i in 0..n {
+                let lhs = decoded[i] + enc.residual()[i];
+                let rhs = g[i] + old[i];
+                let tol = 2.0 * f32::EPSILON * (g[i].abs() + old[i].abs() + tau);
+                prop_assert!((lhs - rhs).abs() <= tol, "element {}: {} vs {}", i, lhs, rhs);
+                prop_assert!(decoded[i] == 0.0 || decoded[i].abs() == tau);
+            }
+            // Every element that still holds >= tau must have been emitted this step.
+            for i in 0..n {
+                if decoded[i] == 0.0 {
+                    prop_assert!(enc.residual()[i].abs() < tau);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn onebit_error_feedback_is_bounded_and_conserves(
+        seed in any::<u64>(),
+        block in prop_oneof![Just(8usize), Just(64), Just(256)],
+        n in 1usize..1200,
+    ) {
+        let mut enc = onebit::OneBitEncoder::new(n, block).unwrap();
+        let mut rng = proptest::test_runner::TestRng::from_seed(
+            proptest::test_runner::RngAlgorithm::ChaCha, &seed.to_le_bytes().repeat(4));
+        let (mut sum_g, mut sum_dec) = (vec![0f64; n], vec![0f64; n]);
+        let (mut payload, mut dec) = (Vec::new(), vec![0f32; n]);
+        // ‖e'‖² <= (1 - 1/B)‖g + e‖² per block, so ‖e‖ <= max‖g‖ / (1 - sqrt(1 - 1/B)).
+        let bound = 1.0 / (1.0 - (1.0 - 1.0 / block as f64).sqrt());
+        for _ in 0..200 {
+            let g: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            enc.encode(&g, &mut payload).unwrap();
+            onebit::decode(&payload, block, &mut dec).unwrap();
+            for i in 0..n {
+                sum_g[i] += f64::from(g[i]);
+                sum_dec[i] += f64::from(dec[i]);
+            }
+            for (b, e) in enc.error().chunks(block).enumerate() {
+                let gnorm = (e.len() as f64).sqrt(); // |g_i| <= 1
+                let enorm = e.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+                prop_assert!(enorm <= bound * gnorm * 1.001, "block {} error norm {} > {}", b, enorm, bound * gnorm);
+            }
+        }
+        // Telescoping: everything sent plus what is still carried equals everything given.
+        for i in 0..n {
+            let carried = f64::from(enc.error()[i]);
+            prop_assert!((sum_dec[i] + carried - sum_g[i]).abs() < 1e-2, "element {} drifted", i);
+        }
+        // Error feedback works in practice: the carried error stays far below the bound.
+        let max_err = enc.error().iter().fold(0f32, |m, x| m.max(x.abs()));
+        prop_assert!(max_err < 8.0, "carried error {} grew", max_err);
+    }
+
+    #[test]
+    fn int8_error_within_half_scale(g in vec_f32(1..2000), block in 1usize..300) {
+        let mut payload = Vec::new();
+        int8::encode(&g, block, &mut payload).unwrap();
+        prop_assert_eq!(payload.len(), int8::payload_len(g.len(), block));
+        let mut dec = vec![0f32; g.len()];
+        int8::decode(&payload, block, &mut dec).unwrap();
+        for (b, (gc, dc)) in g.chunks(block).zip(dec.chunks(block)).enumerate() {
+            let scale = gc.iter().fold(0f32, |m, x| m.max(x.abs())) / 127.0;
+            for (x, y) in gc.iter().zip(dc) {
+                prop_assert!((x - y).abs() <= scale * 0.5 + 1e-6, "block {}: {} vs {}", b, x, y);
+            }
+        }
+    }
+
+    #[test]
+    fn codec_apply_equals_dense_step(
+        g in vec_f32(1..2500),
+        cfg in optimizers(),
+        lr in 0.001f32..0.5,
+        which in 0usize..3,
+    ) {
+        // Applying a payload straight into the store == decoding it and stepping densely.
+        let n = g.len();
+        let mut payload = Vec::new();
+        let mut codes = Vec::new();
+        let mut dense = vec![0f32; n];
+        match which {
+            0 => {
+                let mut enc = threshold::ThresholdEncoder::new(n, 0.5).unwrap();
+                enc.encode(&g, &mut codes).unwrap();
+                threshold::decode(&codes, 0.5, &mut dense).unwrap();
+            }
+            1 => {
+                let mut enc = onebit::OneBitEncoder::new(n, 64).unwrap();
+                enc.encode(&g, &mut payload).unwrap();
+                onebit::decode(&payload, 64, &mut dense).unwrap();
+            }
+            _ => {
+                int8::encode(&g, 32, &mut payload).unwrap();
+                int8::decode(&payload, 32, &mut dense).unwrap();
+            }
+        }
+        let (a, b) = (store(&[n], cfg), store(&[n], cfg));
+        let init: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+        a.write(0, 0, &init).unwrap();
+        b.write(0, 0, &init).unwrap();
+        for _ in 0..2 {
+            match which {
+                0 => a.step(0, &mut threshold::ThresholdGrad::new(&codes, 0.5, n).unwrap(), lr),
+                1 => a.step(0, &mut onebit::OneBitGrad::new(&payload, n, 64).unwrap(), lr),
+                _ => a.step(0, &mut int8::Int8Grad::new(&payload, n, 32).unwrap(), lr),
+            }.unwrap();
+            b.step_dense(0, &dense, lr).unwrap();
+        }
+        let (x, y) = (read(&a, 0, 0), read(&b, 0, 0));
+        for i in 0..n {
+            prop_assert!(close(x[i], y[i], 1e-5), "element {}: {} vs {}", i, x[i], y[i]);
+        }
+    }
+}
+
+#[test]
+fn disjoint_concurrent_updates_sum_exactly() {
+    let threads = 4;
+    let per = 10_000;
+    // One segment per thread; integers and halves stay exact in f32, so the sum is exact.
+    let segs: Vec<usize> = vec![per; threads];
+    let s = Arc::new(store(&segs, OptimizerConfig::new(Optimizer::Sgd)));
+    std::thread::scope(|scope| {
+        for t in 0..threads {
+            let s = Arc::clone(&s);
+            scope.spawn(move || {
+                let delta: Vec<f32> = (0..per).map(|i| ((i % 7) + t) as f32).collect();
+                for _ in 0..50 {
+                    s.add(t, &mut Dense(&delta), 1.0).unwrap();
+                    s.step_dense(t, &delta, 0.5).unwrap();
+                }
+            });
+        }
+    });
+    for t in 0..threads {
+        let got = read(&s, t, 0);
+        for (i, &x) in got.iter().enumerate() {
+            assert_eq!(x, 25.0 * ((i % 7) + t) as f32, "segment {t} element {i}");
+        }
+        assert_eq!(s.version(t).unwrap(), 100);
+    }
+}
+
+#[test]
+fn exact_add_from_many_threads_loses_nothing() {
+    let threads = 4;
+    let n = 2048;
+    let rounds = 200;
+    let s = Arc::new(store(&[n], OptimizerConfig::new(Optimizer::Sgd)));
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            let s = Arc::clone(&s);
+            scope.spawn(move || {
+                let ones = vec![1f32; n];
+                for _ in 0..rounds {
+                    s.add_exact(0, &mut Dense(&ones), 1.0).unwrap();
+                }
+            });
+        }
+    });
+    let got = read(&s, 0, 0);
+    assert!(
+        got.iter().all(|&x| x == (threads * rounds) as f32),
+        "{:?}",
+        &got[..8]
+    );
+    assert_eq!(s.version(0).unwrap(), (threads * rounds) as u64);
+}
+
+#[test]
+fn nonfinite_gradient_is_rejected_counted_or_allowed() {
+    let s = store(
+        &[64],
+        OptimizerConfig::new(Optimizer::Adam {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        }),
+    );
+    let mut g = vec![0.5f32; 64];
+    g[40] = f32::NAN;
+    let before = read(&s, 0, 0);
+    assert!(matches!(
+        s.step_dense(0, &g, 0.1),
+        Err(CoreError::NonFinite { .. })
+    ));
+    g[40] = f32::INFINITY;
+    assert!(matches!(
+        s.step_dense(0, &g, 0.1),
+        Err(CoreError::NonFinite { .. })
+    ));
+    assert_eq!(s.rejected_nonfinite(), 2);
+    assert_eq!(read(&s, 0, 0), before);
+    assert_eq!(s.version(0).unwrap(), 0);
+    s.set_nonfinite_policy(NonFinitePolicy::Allow);
+    s.step_dense(0, &g, 0.1).unwrap();
+    assert!(read(&s, 0, 0)[40].is_nan());
+}
+
+#[test]
+fn bad_input_is_rejected_with_a_reason() {
+    let s = store(&[10, 5], OptimizerConfig::new(Optimizer::Sgd));
+    assert!(matches!(
+        s.segment_index("nope"),
+        Err(CoreError::UnknownSegment(_))
+    ));
+    assert!(matches!(
+        s.step_dense(1, &[0.0; 10], 0.1),
+        Err(CoreError::LengthMismatch {
+            expected: 5,
+            got: 10,
+            ..
+        })
+    ));
+    assert!(s.step_dense(0, &[0.0; 10], f32::NAN).is_err());
+    let dup = Layout::new(
+        vec![SegmentSpec::new("a", 1), SegmentSpec::new("a", 2)],
+        OptimizerConfig::new(Optimizer::Sgd),
+    );
+    assert!(ParamStore::new(dup).is_err());
+    assert!(threshold::validate(&[3, 2], 10).is_err());
+    assert!(threshold::validate(&[3, 11], 10).is_err());
+    assert!(onebit::OneBitGrad::new(&[0u8; 3], 10, 8).is_err());
+}
+
+#[test]
+fn shared_store_create_attach_mismatch_and_stale() {
+    let name = format!("core-test-{}", std::process::id());
+    let layout = Layout::new(
+        vec![SegmentSpec::new("w", 100), SegmentSpec::new("b", 3)],
+        OptimizerConfig::new(Optimizer::Momentum { momentum: 0.9 }),
+    );
+    let owner = ParamStore::create_shared(&name, layout.clone()).unwrap();
+    assert!(matches!(
+        ParamStore::create_shared(&name, layout.clone()),
+        Err(CoreError::AlreadyExists(_))
+    ));
+    let other = ParamStore::attach(&name, Some(&layout)).unwrap();
+    other.step_dense(0, &[1.0; 100], 0.5).unwrap();
+    assert_eq!(read(&owner, 0, 0), vec![-0.5; 100]);
+    assert_eq!(owner.version(0).unwrap(), 1);
+    let mut wrong = layout.clone();
+    wrong.segments[1].len = 4;
+    match ParamStore::attach(&name, Some(&wrong)) {
+        Err(CoreError::LayoutMismatch(msg)) => assert!(msg.contains("b[3]"), "{msg}"),
+        other => panic!("expected a layout mismatch, got {:?}", other.map(|_| ())),
+    }
+    assert!(!ParamStore::is_stale(&name).unwrap());
+    assert!(!ParamStore::remove_stale(&name).unwrap());
+    owner.close().unwrap();
+    assert!(matches!(
+        ParamStore::attach(&name, None),
+        Err(CoreError::NotFound(_))
+    ));
+    // The mapping outlives the name: both handles still see the same memory.
+    owner.step_dense(1, &[2.0; 3], 1.0).unwrap();
+    assert_eq!(read(&other, 1, 0), vec![-2.0; 3]);
+}
