@@ -1,0 +1,140 @@
+"""Model factories, named in job configs as ``"module:function"`` strings.
+
+A factory is any callable returning a ``torch.nn.Module``; its keyword
+arguments come from the ``[model.kwargs]`` table of the config. Initial
+weights come from torch's global generator, so ``torch.manual_seed(s)`` before
+the call fixes them (every replica and PS shard can build the same start).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ACTIVATIONS",
+    "ModelFactoryError",
+    "build_model",
+    "check_kwargs",
+    "count_parameters",
+    "mlp",
+    "resolve_factory",
+]
+
+#: Activation names accepted by :func:`mlp`.
+ACTIVATIONS: Final[dict[str, Callable[[], nn.Module]]] = {
+    "relu": nn.ReLU,
+    "tanh": nn.Tanh,
+    "sigmoid": nn.Sigmoid,
+    "gelu": nn.GELU,
+    "elu": nn.ELU,
+    "leaky_relu": nn.LeakyReLU,
+}
+
+
+class ModelFactoryError(ValueError):
+    """A ``module:function`` model factory cannot be found, called or used."""
+
+
+def mlp(sizes: Sequence[int] = (784, 256, 256, 10), activation: str = "relu") -> nn.Sequential:
+    """Fully connected layers ``sizes[0] -> ... -> sizes[-1]`` with ``activation`` between them.
+
+    The output layer has no activation: it gives logits for cross-entropy.
+    """
+    sizes = list(sizes)
+    if len(sizes) < 2:
+        raise ValueError(f"mlp needs at least an input and an output size, got {sizes}")
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"mlp layer sizes must be positive ints, got {sizes}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}"
+        )
+    layers: list[nn.Module] = []
+    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        if i:
+            layers.append(ACTIVATIONS[activation]())
+        layers.append(nn.Linear(n_in, n_out))
+    return nn.Sequential(*layers)
+
+
+def resolve_factory(spec: str) -> Callable[..., Any]:
+    """The callable that ``"package.module:function"`` names (dots after ``:`` walk attributes)."""
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep or not module_name or not attr_path or ":" in attr_path or " " in spec:
+        raise ModelFactoryError(
+            f"model factory {spec!r} must look like 'package.module:function'"
+        )
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise ModelFactoryError(
+            f"model factory {spec!r}: module {module_name!r} not found ({e})"
+        ) from None
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ModelFactoryError(
+                f"model factory {spec!r}: {module_name!r} has no attribute {attr_path!r}"
+            ) from None
+    if not callable(obj):
+        raise ModelFactoryError(
+            f"model factory {spec!r} is a {type(obj).__name__}, not callable"
+        )
+    return obj  # type: ignore[no-any-return]
+
+
+def check_kwargs(spec: str, factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> None:
+    """Raise naming the first keyword ``factory`` would not accept."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: the call itself will tell
+    try:
+        signature.bind(**kwargs)
+    except TypeError as e:
+        params = signature.parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        unknown = [k for k in kwargs if k not in params and not takes_any]
+        which = f" (unknown argument {unknown[0]!r})" if unknown else ""
+        raise ModelFactoryError(f"model factory {spec!r}: {e}{which}") from None
+
+
+def build_model(
+    spec: str, kwargs: Mapping[str, Any] | None = None, *, seed: int | None = None
+) -> nn.Module:
+    """Resolve ``spec``, call it with ``kwargs`` and check it returns a ``torch.nn.Module``.
+
+    With ``seed``, the initial weights are drawn from ``torch.manual_seed(seed)``
+    inside a forked generator, leaving the caller's torch RNG state untouched.
+    """
+    factory = resolve_factory(spec)
+    kwargs = dict(kwargs or {})
+    check_kwargs(spec, factory, kwargs)
+    try:
+        if seed is None:
+            model = factory(**kwargs)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = factory(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ModelFactoryError(f"model factory {spec!r} failed: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise ModelFactoryError(
+            f"model factory {spec!r} returned {type(model).__name__}, not a torch.nn.Module"
+        )
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of trainable scalars, the length of the flat parameter vector."""
+    return sum(int(p.numel()) for p in model.parameters() if p.requires_grad)
+
