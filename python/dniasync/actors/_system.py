@@ -240,6 +240,29 @@ class ActorSystem:
             return
         await asyncio.shield(cell.done)
 
+    def deliver(self, name: str, msg: Any, reply: asyncio.Future[Any] | None) -> bool:
+        """Enqueue ``msg`` for the local actor ``name`` without waiting; for transports.
+
+        Keeps arrival order, which a task per message would not. ``reply``
+        (for an ask) gets the handler's result or error. False if the mailbox
+        is full (then :meth:`deliver_wait`); ``ActorNotFound``/``ActorStopped``.
+        """
+        cell = self._cells.get(name)
+        if cell is None:
+            raise ActorNotFound(f"no actor named {name!r} on {self._node}")
+        if not cell.alive:
+            raise ActorStopped(cell.address)
+        return cell.mailbox.try_put((msg, reply))
+
+    async def deliver_wait(self, name: str, msg: Any, reply: asyncio.Future[Any] | None) -> None:
+        """Like :meth:`deliver`, waiting while the mailbox is full."""
+        cell = self._cells.get(name)
+        if cell is None:
+            raise ActorNotFound(f"no actor named {name!r} on {self._node}")
+        if not cell.alive:
+            raise ActorStopped(cell.address)
+        await cell.mailbox.put((msg, reply))
+
     def actors(self) -> list[ActorRef]:
         """Refs of every running local actor."""
         return [cell.ref for cell in self._cells.values()]

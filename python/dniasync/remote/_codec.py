@@ -1,0 +1,638 @@
+"""The wire codec: messages <-> websocket binary frames. No pickle, no eval.
+
+A frame is one websocket binary message::
+
+    prefix  <BBHII  version, op, flags, header length, stream id
+    header  msgpack [tag, target, sender, corr, tensors, body]
+            tensors: [[dtype, shape, nbytes, kind], ...]; body: msgpack bytes
+    payload the tensors' raw bytes, each padded to 64 bytes
+
+A frame whose payload is larger than one part is *streamed*: the frame
+carries the header only and the payload follows in ``PART`` messages
+(``<BBHI`` version, op, flags, stream id, then bytes), so small frames to
+the same node can go between the parts of a big one.
+
+Inside ``body``, msgpack extension types carry what plain msgpack cannot:
+actor refs (as addresses), tensors (as an index into ``tensors``) and nested
+registered messages (as ``[tag, [fields...]]``). Decoding validates every
+field against the message class's annotations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Final
+
+import msgpack
+import numpy as np
+
+from ..actors import ActorRef, message_class, message_spec
+from ._errors import DecodeError
+
+__all__ = [
+    "OP_ASK",
+    "OP_FAIL",
+    "OP_PART",
+    "OP_PING",
+    "OP_REPLY",
+    "OP_TELL",
+    "VERSION",
+    "Decoder",
+    "Encoded",
+    "Frame",
+    "Limits",
+    "encode",
+]
+
+VERSION: Final = 1
+OP_TELL, OP_ASK, OP_REPLY, OP_FAIL, OP_PING, OP_PART = 1, 2, 3, 4, 5, 6
+_MESSAGE_OPS: Final = frozenset({OP_TELL, OP_ASK, OP_REPLY, OP_FAIL, OP_PING})
+FLAG_STREAMED: Final = 1
+
+FRAME_PREFIX: Final = struct.Struct("<BBHII")
+PART_PREFIX: Final = struct.Struct("<BBHI")
+
+_EXT_REF, _EXT_TENSOR, _EXT_MESSAGE = 1, 2, 3
+_ALIGN = 64
+_ZEROS = bytes(_ALIGN)
+_KIND_NUMPY, _KIND_TORCH = 0, 1
+
+# dtype name -> numpy dtype (torch-only dtypes travel as same-sized ints)
+_DTYPES: Final[dict[str, np.dtype[Any]]] = {
+    name: np.dtype(name)
+    for name in (
+        "bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+        "float16", "float32", "float64", "complex64", "complex128",
+    )
+}
+_TORCH_ONLY: Final = {"bfloat16": "int16"}
+_MAX_NDIM = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Bounds on what a peer may send; anything beyond is a decode error."""
+
+    max_message_bytes: int = 1 << 30
+    """Largest tensor payload of one message."""
+    max_header_bytes: int = 8 << 20
+    """Largest msgpack header (plain fields) of one message."""
+    part_bytes: int = 512 << 10
+    """Payloads above this are streamed in parts of this size."""
+    max_streams: int = 64
+    """Streamed messages being assembled at once on one connection."""
+    max_depth: int = 32
+    """Nesting depth of messages inside messages."""
+
+    @property
+    def max_ws_message(self) -> int:
+        """The websocket ``max_msg_size`` that fits every frame these limits allow."""
+        return FRAME_PREFIX.size + self.max_header_bytes + self.part_bytes
+
+
+@dataclasses.dataclass(slots=True)
+class Frame:
+    """A decoded frame. ``error`` is set (and ``value`` None) when the frame
+    was well formed but its message was not acceptable (e.g. unknown tag)."""
+
+    op: int
+    target: str
+    sender: str | None
+    corr: int
+    value: Any
+    error: DecodeError | None = None
+
+
+class Encoded:
+    """An encoded frame: the websocket messages to send, lazily for big ones."""
+
+    __slots__ = ("header", "buffers", "payload_len")
+
+    def __init__(self, header: bytes, buffers: list[memoryview | bytes], payload_len: int) -> None:
+        self.header = header
+        self.buffers = buffers
+        self.payload_len = payload_len
+
+    def messages(self, op: int, stream_id: int, part_bytes: int) -> Iterator[bytes]:
+        """The websocket messages of this frame; ``stream_id`` is used if it is streamed."""
+        if self.payload_len <= part_bytes:
+            prefix = FRAME_PREFIX.pack(VERSION, op, 0, len(self.header), 0)
+            if not self.buffers:
+                yield prefix + self.header
+            else:
+                yield b"".join((prefix, self.header, *self.buffers))
+            return
+        yield FRAME_PREFIX.pack(VERSION, op, FLAG_STREAMED, len(self.header), stream_id) + self.header
+        part_prefix = PART_PREFIX.pack(VERSION, OP_PART, 0, stream_id)
+        chunk: list[memoryview | bytes] = [part_prefix]
+        room = part_bytes
+        for buf in self.buffers:
+            view = memoryview(buf)
+            while len(view):
+                take = view[:room]
+                chunk.append(take)
+                room -= len(take)
+                view = view[len(take):]
+                if room == 0:
+                    yield b"".join(chunk)
+                    chunk = [part_prefix]
+                    room = part_bytes
+        if len(chunk) > 1:
+            yield b"".join(chunk)
+
+
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+class _Packer:
+    """msgpack ``default`` hook: refs, tensors and nested messages."""
+
+    __slots__ = ("descs", "buffers", "size")
+
+    def __init__(self) -> None:
+        self.descs: list[list[Any]] = []
+        self.buffers: list[memoryview | bytes] = []
+        self.size = 0
+
+    def __call__(self, obj: Any) -> Any:
+        if isinstance(obj, ActorRef):
+            return msgpack.ExtType(_EXT_REF, obj.address.encode())
+        if isinstance(obj, np.ndarray):
+            return self._tensor(obj, _KIND_NUMPY, obj.dtype.name)
+        torch = _torch()
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return self._torch_tensor(obj, torch)
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if isinstance(obj, (tuple, set, frozenset)):
+            return list(obj)
+        try:
+            spec = message_spec(type(obj))
+        except KeyError:
+            raise TypeError(
+                f"cannot send a {type(obj).__qualname__}: use plain values, numpy arrays, CPU tensors, "
+                "ActorRefs or @message classes"
+            ) from None
+        fields = [getattr(obj, name) for name in spec.field_names]
+        return msgpack.ExtType(_EXT_MESSAGE, msgpack.packb([spec.tag, fields], default=self, use_bin_type=True))
+
+    def _torch_tensor(self, tensor: Any, torch: Any) -> msgpack.ExtType:
+        if tensor.device.type != "cpu":
+            raise TypeError(f"tensors travel from CPU memory; move it first (tensor is on {tensor.device})")
+        tensor = tensor.detach()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        name = str(tensor.dtype).removeprefix("torch.")
+        if name in _TORCH_ONLY:
+            array = tensor.view(getattr(torch, _TORCH_ONLY[name])).numpy()
+        else:
+            array = tensor.numpy()
+        return self._tensor(array, _KIND_TORCH, name)
+
+    def _tensor(self, array: np.ndarray[Any, Any], kind: int, dtype: str) -> msgpack.ExtType:
+        if array.dtype.name not in _DTYPES:
+            raise TypeError(f"dtype {array.dtype} cannot travel; use one of {sorted(_DTYPES)}")
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)
+        nbytes = array.nbytes
+        index = len(self.descs)
+        self.descs.append([dtype, list(array.shape), nbytes, kind])
+        if nbytes:
+            self.buffers.append(memoryview(array.data).cast("B") if array.ndim else array.tobytes())
+        pad = -nbytes % _ALIGN
+        if pad:
+            self.buffers.append(_ZEROS[:pad])
+        self.size += nbytes + pad
+        return msgpack.ExtType(_EXT_TENSOR, index.to_bytes(4, "little"))
+
+
+def encode(op: int, target: str, corr: int, value: Any, sender: str | None = None) -> Encoded:
+    """Encode one frame. For tells and asks ``value`` must be a registered message."""
+    packer = _Packer()
+    if op == OP_TELL or op == OP_ASK:
+        try:
+            spec = message_spec(type(value))
+        except KeyError:
+            raise TypeError(
+                f"{type(value).__qualname__} is not a registered message: decorate it with @message('tag')"
+            ) from None
+        tag: str | None = spec.tag
+        fields = [getattr(value, name) for name in spec.field_names]
+        body = msgpack.packb(fields, default=packer, use_bin_type=True)
+    else:
+        tag = None
+        body = msgpack.packb(value, default=packer, use_bin_type=True)
+    header = msgpack.packb([tag, target, sender, corr, packer.descs, body], use_bin_type=True)
+    return Encoded(header, packer.buffers, packer.size)
+
+
+# -- decoding ---------------------------------------------------------------
+
+
+class _Stream:
+    __slots__ = ("op", "header", "buffer", "filled")
+
+    def __init__(self, op: int, header: list[Any], size: int) -> None:
+        self.op = op
+        self.header = header
+        self.buffer = bytearray(size)
+        self.filled = 0
+
+
+RefResolver = Callable[[str], ActorRef]
+
+
+class Decoder:
+    """Decodes the frames of one connection; holds its half-received streams."""
+
+    def __init__(self, resolve_ref: RefResolver, limits: Limits = Limits()) -> None:
+        self._resolve_ref = resolve_ref
+        self.limits = limits
+        self._streams: dict[int, _Stream] = {}
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes reserved for streamed messages not yet complete."""
+        return sum(len(s.buffer) for s in self._streams.values())
+
+    def feed(self, data: bytes) -> Frame | None:
+        """Decode one websocket message: a frame, or None for a part of one.
+
+        Raises :class:`DecodeError` (``fatal``) when the bytes cannot be trusted.
+        """
+        if len(data) < PART_PREFIX.size:
+            raise DecodeError(f"frame of {len(data)} bytes is shorter than any prefix")
+        version, op = data[0], data[1]
+        if version != VERSION:
+            raise DecodeError(f"unsupported protocol version {version} (this node speaks {VERSION})")
+        if op == OP_PART:
+            return self._part(data)
+        if op not in _MESSAGE_OPS:
+            raise DecodeError(f"unknown frame op {op}")
+        if len(data) < FRAME_PREFIX.size:
+            raise DecodeError("truncated frame prefix")
+        _, _, flags, header_len, stream_id = FRAME_PREFIX.unpack_from(data)
+        start = FRAME_PREFIX.size
+        if header_len > self.limits.max_header_bytes:
+            raise DecodeError(f"header of {header_len} bytes exceeds the limit {self.limits.max_header_bytes}")
+        if start + header_len > len(data):
+            raise DecodeError(f"truncated frame: header announces {header_len} bytes, {len(data) - start} sent")
+        header = self._header(data[start : start + header_len])
+        total = self._payload_size(header[4])
+        rest = len(data) - start - header_len
+        if flags & FLAG_STREAMED:
+            if rest:
+                raise DecodeError("streamed frame carries payload bytes inline")
+            if total <= 0:
+                raise DecodeError("streamed frame without payload")
+            if stream_id in self._streams:
+                raise DecodeError(f"stream {stream_id} is already open")
+            if len(self._streams) >= self.limits.max_streams:
+                raise DecodeError(f"more than {self.limits.max_streams} streamed messages at once")
+            self._streams[stream_id] = _Stream(op, header, total)
+            return None
+        if rest != total:
+            raise DecodeError(f"truncated frame: tensors announce {total} payload bytes, {rest} sent")
+        payload = bytearray(memoryview(data)[start + header_len :]) if total else bytearray()
+        return self._finish(op, header, payload)
+
+    def _part(self, data: bytes) -> Frame | None:
+        _, _, _, stream_id = PART_PREFIX.unpack_from(data)
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            raise DecodeError(f"part of unknown stream {stream_id}")
+        chunk = memoryview(data)[PART_PREFIX.size :]
+        end = stream.filled + len(chunk)
+        if end > len(stream.buffer):
+            raise DecodeError(f"stream {stream_id} sent more bytes than its tensors announce")
+        stream.buffer[stream.filled : end] = chunk
+        stream.filled = end
+        if end < len(stream.buffer):
+            return None
+        del self._streams[stream_id]
+        return self._finish(stream.op, stream.header, stream.buffer)
+
+    def _header(self, raw: bytes) -> list[Any]:
+        try:
+            header = msgpack.unpackb(raw, use_list=True, raw=False, strict_map_key=True)
+        except Exception as exc:
+            raise DecodeError(f"malformed header: {exc}") from None
+        if not (isinstance(header, list) and len(header) == 6):
+            raise DecodeError("header is not [tag, target, sender, corr, tensors, body]")
+        tag, target, sender, corr, descs, body = header
+        if not (tag is None or isinstance(tag, str)):
+            raise DecodeError("header tag is not a string")
+        if not isinstance(target, str) or not (sender is None or isinstance(sender, str)):
+            raise DecodeError("header target/sender is not a string")
+        if not isinstance(corr, int) or isinstance(corr, bool) or corr < 0:
+            raise DecodeError("header correlation id is not a non-negative integer")
+        if not isinstance(descs, list) or not isinstance(body, bytes):
+            raise DecodeError("header tensors/body have the wrong type")
+        return header
+
+    def _payload_size(self, descs: list[Any]) -> int:
+        total = 0
+        for desc in descs:
+            if not (isinstance(desc, list) and len(desc) == 4):
+                raise DecodeError("tensor descriptor is not [dtype, shape, nbytes, kind]")
+            dtype, shape, nbytes, kind = desc
+            if not isinstance(dtype, str) or (dtype not in _DTYPES and dtype not in _TORCH_ONLY):
+                raise DecodeError(f"unsupported tensor dtype {dtype!r}")
+            if dtype in _TORCH_ONLY and kind != _KIND_TORCH:
+                raise DecodeError(f"dtype {dtype} is only valid for torch tensors")
+            if kind not in (_KIND_NUMPY, _KIND_TORCH):
+                raise DecodeError(f"unknown tensor kind {kind!r}")
+            if not isinstance(shape, list) or len(shape) > _MAX_NDIM:
+                raise DecodeError("tensor shape is not a list of at most 32 dimensions")
+            count = 1
+            for dim in shape:
+                if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+                    raise DecodeError(f"tensor dimension {dim!r} is not a non-negative integer")
+                count *= dim
+            itemsize = _DTYPES[_TORCH_ONLY.get(dtype, dtype)].itemsize
+            if not isinstance(nbytes, int) or nbytes != count * itemsize:
+                raise DecodeError(f"tensor nbytes {nbytes!r} != {dtype} x {shape} = {count * itemsize}")
+            total += nbytes + (-nbytes % _ALIGN)
+            if total > self.limits.max_message_bytes:
+                raise DecodeError(f"tensor payload exceeds the limit of {self.limits.max_message_bytes} bytes")
+        return total
+
+    def _finish(self, op: int, header: list[Any], payload: bytearray) -> Frame:
+        tag, target, sender, corr, descs, body = header
+        try:
+            tensors = _tensors(descs, payload)
+            context = _Context(self._resolve_ref, tensors, self.limits.max_depth)
+            if op == OP_TELL or op == OP_ASK:
+                if tag is None:
+                    raise DecodeError("tell/ask frame without a message tag", fatal=False)
+                value = context.message(tag, context.unpack(body))
+            else:
+                value = context.unpack(body)
+                if op == OP_FAIL and not (
+                    isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)
+                ):
+                    raise DecodeError("error frame body is not [type, message]", fatal=False)
+        except DecodeError as exc:
+            exc.fatal = False  # framing was sound: only this message is lost
+            return Frame(op, target, sender, corr, None, exc)
+        return Frame(op, target, sender, corr, value)
+
+
+def _tensors(descs: list[list[Any]], payload: bytearray) -> list[Any]:
+    out: list[Any] = []
+    offset = 0
+    for dtype, shape, nbytes, kind in descs:
+        base = _DTYPES[_TORCH_ONLY.get(dtype, dtype)]
+        array = np.frombuffer(payload, dtype=base, count=nbytes // base.itemsize, offset=offset).reshape(shape)
+        offset += nbytes + (-nbytes % _ALIGN)
+        if kind == _KIND_TORCH:
+            import torch
+
+            tensor = torch.from_numpy(array) if array.size else torch.empty(shape, dtype=getattr(torch, base.name))
+            if dtype in _TORCH_ONLY:
+                tensor = tensor.view(getattr(torch, dtype))
+            out.append(tensor)
+        else:
+            out.append(array)
+    return out
+
+
+class _Context:
+    """One body's decoding: its tensors, the ref resolver, the nesting depth."""
+
+    __slots__ = ("resolve_ref", "tensors", "depth", "max_depth", "hook")
+
+    def __init__(self, resolve_ref: RefResolver, tensors: list[Any], max_depth: int) -> None:
+        self.resolve_ref = resolve_ref
+        self.tensors = tensors
+        self.depth = 0
+        self.max_depth = max_depth
+        self.hook = self._ext
+
+    def unpack(self, raw: bytes) -> Any:
+        try:
+            return msgpack.unpackb(raw, ext_hook=self.hook, raw=False, strict_map_key=False, use_list=True)
+        except DecodeError:
+            raise
+        except Exception as exc:
+            raise DecodeError(f"malformed body: {type(exc).__name__}: {exc}") from None
+
+    def _ext(self, code: int, data: bytes) -> Any:
+        if code == _EXT_REF:
+            try:
+                return self.resolve_ref(data.decode())
+            except Exception as exc:
+                raise DecodeError(f"bad actor ref {data[:80]!r}: {exc}") from None
+        if code == _EXT_TENSOR:
+            index = int.from_bytes(data, "little")
+            if len(data) != 4 or index >= len(self.tensors):
+                raise DecodeError(f"tensor reference {index} out of range ({len(self.tensors)} tensors)")
+            return self.tensors[index]
+        if code == _EXT_MESSAGE:
+            self.depth += 1
+            try:
+                if self.depth > self.max_depth:
+                    raise DecodeError(f"messages nested deeper than {self.max_depth}")
+                inner = self.unpack(data)
+                if not (isinstance(inner, list) and len(inner) == 2 and isinstance(inner[0], str)):
+                    raise DecodeError("nested message is not [tag, fields]")
+                return self.message(inner[0], inner[1])
+            finally:
+                self.depth -= 1
+        raise DecodeError(f"unknown extension type {code}")
+
+    def message(self, tag: str, fields: Any) -> Any:
+        schema = _schema(tag)
+        if not isinstance(fields, list) or len(fields) != len(schema.checks):
+            raise DecodeError(f"{tag}: expected {len(schema.checks)} fields")
+        values = [check(value) for check, value in zip(schema.checks, fields)]
+        try:
+            return schema.cls(*values)
+        except Exception as exc:  # __post_init__ validation of the class itself
+            raise DecodeError(f"{tag}: {type(exc).__name__}: {exc}") from None
+
+
+# -- schemas: field checks compiled once per message class ----------------------
+
+Check = Callable[[Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Schema:
+    cls: type
+    checks: tuple[Check, ...]
+
+
+_schemas: dict[str, _Schema] = {}
+
+
+def _schema(tag: str) -> _Schema:
+    try:
+        cls = message_class(tag)
+    except KeyError:
+        raise DecodeError(f"unknown message tag {tag[:128]!r}") from None
+    cached = _schemas.get(tag)
+    if cached is not None and cached.cls is cls:
+        return cached
+    spec = message_spec(cls)
+    try:
+        hints = spec.field_types()
+    except Exception:  # unresolvable annotations: accept any value rather than refuse the class
+        hints = {name: Any for name in spec.field_names}
+    checks = tuple(_named(f"{tag}.{name}", _checker(hints[name])) for name in spec.field_names)
+    schema = _Schema(cls, checks)
+    _schemas[tag] = schema
+    return schema
+
+
+def _named(where: str, check: Check) -> Check:
+    def named(value: Any) -> Any:
+        try:
+            return check(value)
+        except _Mismatch as exc:
+            raise DecodeError(f"{where}: {exc}", fatal=False) from None
+
+    return named
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _checker(tp: Any) -> Check:  # noqa: C901 - one branch per kind of annotation
+    if tp is Any or tp is object:
+        return _identity
+    if tp is None or tp is type(None):
+        return _exact(type(None), "None")
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union or isinstance(tp, types.UnionType):
+        members = [_checker(a) for a in args]
+
+        def union(value: Any) -> Any:
+            for member in members:
+                try:
+                    return member(value)
+                except _Mismatch:
+                    continue
+            raise _Mismatch(f"{_short(value)} matches none of {tp}")
+
+        return union
+    if origin is typing.Literal:
+        allowed = args
+
+        def literal(value: Any) -> Any:
+            if value not in allowed:
+                raise _Mismatch(f"{_short(value)} is not one of {allowed}")
+            return value
+
+        return literal
+    if tp is float:
+
+        def as_float(value: Any) -> float:
+            if isinstance(value, float):
+                return value
+            if isinstance(value, int) and not isinstance(value, bool):
+                return float(value)
+            raise _Mismatch(f"expected float, got {_short(value)}")
+
+        return as_float
+    if tp is int:
+
+        def as_int(value: Any) -> int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            raise _Mismatch(f"expected int, got {_short(value)}")
+
+        return as_int
+    if tp in (str, bytes, bool):
+        return _exact(tp, tp.__name__)
+    if origin in (list, Sequence, typing.Sequence) or tp in (list, Sequence):
+        item = _checker(args[0]) if args else _identity
+        to_tuple = False
+        return _sequence(item, to_tuple)
+    if origin is tuple or tp is tuple:
+        if not args or (len(args) == 2 and args[1] is Ellipsis):
+            return _sequence(_checker(args[0]) if args else _identity, True)
+        fixed = [_checker(a) for a in args]
+
+        def fixed_tuple(value: Any) -> tuple[Any, ...]:
+            if not isinstance(value, (list, tuple)) or len(value) != len(fixed):
+                raise _Mismatch(f"expected a {len(fixed)}-tuple, got {_short(value)}")
+            return tuple(check(v) for check, v in zip(fixed, value))
+
+        return fixed_tuple
+    if origin in (dict, Mapping, typing.Mapping) or tp in (dict, Mapping):
+        key = _checker(args[0]) if args else _identity
+        val = _checker(args[1]) if args else _identity
+
+        def mapping(value: Any) -> dict[Any, Any]:
+            if not isinstance(value, dict):
+                raise _Mismatch(f"expected a dict, got {_short(value)}")
+            return {key(k): val(v) for k, v in value.items()}
+
+        return mapping
+    if tp is ActorRef:
+        return _exact(ActorRef, "ActorRef")
+    if tp is np.ndarray or origin is np.ndarray:
+        return _as_ndarray
+    if getattr(tp, "__module__", "") == "torch" and getattr(tp, "__name__", "") == "Tensor":
+        return _as_tensor
+    if isinstance(tp, type):
+        return _exact(tp, tp.__qualname__)
+    return _identity  # TypeVar, NewType, ...: nothing checkable
+
+
+def _exact(cls: type, name: str) -> Check:
+    def exact(value: Any) -> Any:
+        if not isinstance(value, cls):
+            raise _Mismatch(f"expected {name}, got {_short(value)}")
+        return value
+
+    return exact
+
+
+def _sequence(item: Check, to_tuple: bool) -> Check:
+    def sequence(value: Any) -> Any:
+        if not isinstance(value, list):
+            raise _Mismatch(f"expected a sequence, got {_short(value)}")
+        if item is not _identity:
+            value = [item(v) for v in value]
+        return tuple(value) if to_tuple else value
+
+    return sequence
+
+
+def _as_ndarray(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value
+    torch = _torch()
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.numpy()  # shares memory with the received buffer
+    raise _Mismatch(f"expected an array, got {_short(value)}")
+
+
+def _as_tensor(value: Any) -> Any:
+    torch = _torch()
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        import torch as torch_module
+
+        return torch_module.from_numpy(value)
+    raise _Mismatch(f"expected a tensor, got {_short(value)}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"

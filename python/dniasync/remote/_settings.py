@@ -1,0 +1,65 @@
+"""Tunables of the remote layer and the counters it keeps per node."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ._codec import Limits
+
+__all__ = ["RemoteCounters", "RemoteSettings"]
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """How a node talks to its peers.
+
+    A peer from which nothing (not even a heartbeat) arrived for ``detect_s``
+    is declared down: asks to its actors fail at once with
+    ``ActorUnreachable`` and tells are dropped (and counted) until it is back.
+    """
+
+    heartbeat_s: float = 0.5
+    """Interval between heartbeats on an idle connection."""
+    detect_s: float = 3.0
+    """Silence after which a peer is declared down."""
+    connect_timeout_s: float = 3.0
+    """How long the first connection attempt to a node may take."""
+    backoff_min_s: float = 0.1
+    backoff_max_s: float = 5.0
+    """Reconnect delays: jittered exponential between these."""
+    outbox_size: int = 10_000
+    """Frames queued for one peer by ``tell_nowait``/replies before ``MailboxFull``."""
+    overflow_size: int = 10_000
+    """Messages held for one full local mailbox before the connection stops reading."""
+    close_timeout_s: float = 1.0
+    """How long a closing websocket waits for the peer's close frame."""
+    allowed_hosts: tuple[str, ...] | None = None
+    """Host header names accepted on upgrade; None: loopback names on a loopback
+    listener, anything on another (the token is the guard there)."""
+    limits: Limits = field(default_factory=Limits)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_s < self.detect_s:
+            raise ValueError(f"need 0 < heartbeat_s < detect_s, got {self.heartbeat_s} and {self.detect_s}")
+        if not 0 < self.backoff_min_s <= self.backoff_max_s:
+            raise ValueError("need 0 < backoff_min_s <= backoff_max_s")
+
+
+@dataclass
+class RemoteCounters:
+    """Plain counters of one node's remote traffic (monotonic, since start)."""
+
+    bytes_in: int = 0
+    bytes_out: int = 0
+    frames_in: int = 0
+    frames_out: int = 0
+    decode_errors: int = 0
+    auth_failures: int = 0
+    dropped_tells: int = 0
+    reconnects: int = 0
+    peers_lost: int = 0
+    connections_accepted: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,289 @@
+"""The wire codec: round trips, strict validation, and a fuzzed decoder."""
+
+from __future__ import annotations
+
+import pathlib
+import struct
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dniasync
+from dniasync import ActorRef, message
+from dniasync.remote import DecodeError, Decoder, Limits, encode
+from dniasync.remote._codec import FRAME_PREFIX, OP_ASK, OP_FAIL, OP_REPLY, OP_TELL, PART_PREFIX, VERSION
+
+
+@message("test.codec.Point")
+class Point:
+    x: float
+    y: float
+
+
+@message("test.codec.Envelope")
+class Envelope:
+    seq: int
+    label: str
+    points: list[Point]
+    weights: np.ndarray
+    grad: torch.Tensor
+    reply_to: ActorRef | None
+    meta: dict[str, int]
+    shape: tuple[int, ...]
+    raw: bytes
+
+
+class _Nowhere:
+    alive = True
+
+    async def ask(self, msg: Any, timeout: float | None) -> Any:
+        raise AssertionError("not sent in codec tests")
+
+    async def tell(self, msg: Any) -> None:
+        raise AssertionError("not sent in codec tests")
+
+    def tell_nowait(self, msg: Any) -> None:
+        raise AssertionError("not sent in codec tests")
+
+
+def resolve(address: str) -> ActorRef:
+    return ActorRef(address, _Nowhere())
+
+
+def wire(op: int, value: Any, corr: int = 1, limits: Limits = Limits()) -> list[bytes]:
+    return list(encode(op, "target", corr, value).messages(op, 9, limits.part_bytes))
+
+
+def decode_all(messages: list[bytes], decoder: Decoder | None = None) -> Any:
+    decoder = decoder or Decoder(resolve)
+    frames = [decoder.feed(m) for m in messages]
+    assert all(f is None for f in frames[:-1])
+    assert frames[-1] is not None
+    return frames[-1]
+
+
+def envelope(n: int = 12) -> Envelope:
+    return Envelope(
+        seq=7,
+        label="grad",
+        points=[Point(1.0, 2.5), Point(-3.0, 0.0)],
+        weights=np.arange(n, dtype=np.float32).reshape(3, -1),
+        grad=torch.linspace(0, 1, 5, dtype=torch.float64),
+        reply_to=resolve("ps-0@127.0.0.1:7000"),
+        meta={"step": 3},
+        shape=(3, 4),
+        raw=b"\x00\x01",
+    )
+
+
+def test_nested_message_with_tensors_and_refs_round_trips() -> None:
+    sent = envelope()
+    frame = decode_all(wire(OP_TELL, sent))
+    got = frame.value
+    assert frame.error is None and frame.target == "target"
+    assert isinstance(got, Envelope)
+    assert got.points == sent.points and got.meta == sent.meta and got.shape == (3, 4) and got.raw == b"\x00\x01"
+    assert isinstance(got.weights, np.ndarray) and got.weights.dtype == np.float32
+    np.testing.assert_array_equal(got.weights, sent.weights)
+    assert isinstance(got.grad, torch.Tensor) and got.grad.dtype == torch.float64
+    assert torch.equal(got.grad, sent.grad)
+    assert got.reply_to == sent.reply_to
+    got.weights[0, 0] = -1.0  # received arrays are writable
+
+
+def test_big_tensor_is_streamed_in_parts_and_arrives_whole() -> None:
+    big = envelope(3 * 400_000)  # 4.8 MB of float32
+    messages = wire(OP_ASK, big)
+    assert len(messages) > 8
+    assert max(len(m) for m in messages) <= Limits().max_ws_message
+    got = decode_all(messages).value
+    np.testing.assert_array_equal(got.weights, big.weights)
+
+
+def test_parts_of_two_streams_interleave() -> None:
+    a, b = wire(OP_TELL, envelope(3 * 300_000)), wire(OP_TELL, envelope(3 * 200_000))
+    b = [m.replace(struct.pack("<I", 9), struct.pack("<I", 10), 1) if i else m for i, m in enumerate(b)]
+    b[0] = b[0][: FRAME_PREFIX.size - 4] + struct.pack("<I", 10) + b[0][FRAME_PREFIX.size :]
+    decoder = Decoder(resolve)
+    out = []
+    for i in range(max(len(a), len(b))):
+        for stream in (a, b):
+            if i < len(stream):
+                frame = decoder.feed(stream[i])
+                if frame is not None:
+                    out.append(frame.value.weights.size)
+    assert sorted(out) == [600_000, 900_000]
+
+
+def test_bfloat16_and_scalar_and_empty_tensors() -> None:
+    value = [torch.ones(3, dtype=torch.bfloat16), np.float32(2.5), np.zeros((0, 4)), torch.tensor(3)]
+    got = decode_all(wire(OP_REPLY, value)).value
+    assert got[0].dtype == torch.bfloat16 and got[0].tolist() == [1.0, 1.0, 1.0]
+    assert got[1] == 2.5 and got[2].shape == (0, 4) and got[3].item() == 3
+
+
+def test_unregistered_message_or_gpu_tensor_is_refused_at_the_sender() -> None:
+    class Plain:
+        pass
+
+    with pytest.raises(TypeError, match="not a registered message"):
+        encode(OP_TELL, "t", 0, Plain())
+    with pytest.raises(TypeError, match="cannot send"):
+        encode(OP_REPLY, "t", 0, {"x": Plain()})
+
+
+def test_unknown_tag_is_a_clear_non_fatal_error() -> None:
+    header = msgpack.packb(["no.such.Tag", "target", None, 3, [], msgpack.packb([1])])
+    frame = Decoder(resolve).feed(FRAME_PREFIX.pack(VERSION, OP_ASK, 0, len(header), 0) + header)
+    assert frame is not None and frame.value is None and frame.corr == 3
+    assert frame.error is not None and not frame.error.fatal and "unknown message tag" in str(frame.error)
+
+
+def test_wrong_field_type_is_rejected_with_the_field_name() -> None:
+    header = msgpack.packb(["test.codec.Point", "target", None, 3, [], msgpack.packb(["one", 2.0])])
+    frame = Decoder(resolve).feed(FRAME_PREFIX.pack(VERSION, OP_TELL, 0, len(header), 0) + header)
+    assert frame is not None and frame.error is not None
+    assert "test.codec.Point.x" in str(frame.error) and "expected float" in str(frame.error)
+
+
+def _frame_with_tensor(desc: list[Any], payload: bytes, flags: int = 0) -> bytes:
+    body = msgpack.packb([msgpack.ExtType(2, (0).to_bytes(4, "little"))])
+    header = msgpack.packb([None, "", None, 1, [desc], body])
+    return FRAME_PREFIX.pack(VERSION, OP_REPLY, flags, len(header), 4) + header + payload
+
+
+@pytest.mark.parametrize(
+    ("desc", "payload", "match"),
+    [
+        (["float32", [4], 15, 0], bytes(64), "nbytes"),
+        (["float32", [4], 16, 0], bytes(10), "truncated"),
+        (["float32", [4], 16, 0], bytes(200), "truncated"),
+        (["object", [1], 8, 0], bytes(64), "dtype"),
+        (["float32", [-1], -4, 0], b"", "dimension"),
+        (["float32", [1 << 60], 1 << 62, 0], b"", "limit"),
+        (["bfloat16", [2], 4, 0], bytes(64), "only valid for torch"),
+    ],
+)
+def test_bad_tensor_descriptors_are_fatal(desc: list[Any], payload: bytes, match: str) -> None:
+    with pytest.raises(DecodeError, match=match) as info:
+        Decoder(resolve).feed(_frame_with_tensor(desc, payload))
+    assert info.value.fatal
+
+
+def test_stream_announcing_more_than_the_limit_is_refused_before_allocating() -> None:
+    limits = Limits(max_message_bytes=1 << 20)
+    with pytest.raises(DecodeError, match="limit"):
+        Decoder(resolve, limits).feed(_frame_with_tensor(["uint8", [1 << 40], 1 << 40, 0], b"", flags=1))
+
+
+def test_parts_beyond_the_announced_size_or_of_unknown_streams_are_fatal() -> None:
+    decoder = Decoder(resolve)
+    assert decoder.feed(_frame_with_tensor(["uint8", [1000], 1000, 0], b"", flags=1)) is None
+    assert decoder.pending_bytes == 1024
+    with pytest.raises(DecodeError, match="more bytes"):
+        decoder.feed(PART_PREFIX.pack(VERSION, 6, 0, 4) + bytes(2000))
+    with pytest.raises(DecodeError, match="unknown stream"):
+        decoder.feed(PART_PREFIX.pack(VERSION, 6, 0, 77) + bytes(10))
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"", "shorter"),
+        (bytes([9, 1]) + bytes(20), "version"),
+        (bytes([VERSION, 42]) + bytes(20), "op"),
+        (FRAME_PREFIX.pack(VERSION, OP_TELL, 0, 1 << 31, 0), "exceeds"),
+        (FRAME_PREFIX.pack(VERSION, OP_TELL, 0, 500, 0) + b"\x93", "truncated"),
+        (FRAME_PREFIX.pack(VERSION, OP_TELL, 0, 1, 0) + b"\xc1", "malformed header"),
+    ],
+)
+def test_malformed_frames_are_fatal_decode_errors(data: bytes, match: str) -> None:
+    with pytest.raises(DecodeError, match=match):
+        Decoder(resolve).feed(data)
+
+
+def test_deeply_nested_messages_are_refused() -> None:
+    inner: Any = msgpack.packb([1.0, 2.0])
+    ext = msgpack.ExtType(3, msgpack.packb(["test.codec.Point", [1.0, 2.0]]))
+    for _ in range(40):
+        ext = msgpack.ExtType(3, msgpack.packb(["test.codec.Point", [ext, 1.0]]))
+    header = msgpack.packb([None, "", None, 1, [], msgpack.packb(ext)])
+    frame = Decoder(resolve).feed(FRAME_PREFIX.pack(VERSION, OP_REPLY, 0, len(header), 0) + header)
+    assert frame is not None and frame.error is not None and "nested" in str(frame.error)
+    del inner
+
+
+def test_remote_errors_travel_as_type_name_and_text() -> None:
+    got = decode_all(wire(OP_FAIL, ["ValueError", "bad lr"])).value
+    assert got == ["ValueError", "bad lr"]
+
+
+def test_no_pickle_marshal_or_eval_in_the_network_path() -> None:
+    root = pathlib.Path(dniasync.__file__).parent
+    for package in ("remote", "node", "actors"):
+        for path in (root / package).glob("*.py"):
+            text = path.read_text()
+            for banned in ("import pickle", "import marshal", "eval(", "exec(", "cloudpickle"):
+                assert banned not in text, f"{banned} in {path}"
+
+
+# -- fuzzing ------------------------------------------------------------------------------
+
+plain = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False) | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+arrays = st.builds(
+    lambda shape, dtype: (np.arange(int(np.prod(shape))) % 7).astype(dtype).reshape(shape),
+    st.lists(st.integers(0, 5), max_size=3),
+    st.sampled_from(["float32", "float64", "int64", "uint8", "bool"]),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(value=plain, array=arrays, part=st.sampled_from([64, 4096, 1 << 19]))
+def test_fuzz_round_trip_of_plain_values_and_arrays(value: Any, array: np.ndarray, part: int) -> None:
+    limits = Limits(part_bytes=part)
+    messages = list(encode(OP_REPLY, "x", 5, [value, array]).messages(OP_REPLY, 3, part))
+    got = decode_all(messages, Decoder(resolve, limits)).value
+    assert got[0] == value
+    np.testing.assert_array_equal(got[1], array)
+    assert got[1].dtype == array.dtype
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.binary(max_size=300))
+def test_fuzz_random_bytes_only_ever_raise_decode_error(data: bytes) -> None:
+    try:
+        Decoder(resolve).feed(data)
+    except DecodeError:
+        pass
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    cut=st.integers(0, 400),
+    flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=6),
+    version_prefix=st.booleans(),
+)
+def test_fuzz_mutated_valid_frames_only_ever_raise_decode_error(
+    cut: int, flips: list[tuple[int, int]], version_prefix: bool
+) -> None:
+    data = bytearray(wire(OP_TELL, envelope())[0])
+    for index, byte in flips:
+        data[index % len(data)] = byte
+    if version_prefix:
+        data[0] = VERSION
+    data = data[: len(data) - cut % len(data)]
+    try:
+        frame = Decoder(resolve).feed(bytes(data))
+    except DecodeError:
+        return
+    assert frame is None or frame.error is None or isinstance(frame.error, DecodeError)
