@@ -59,11 +59,11 @@ impl std::error::Error for CoreError {
     }
 }
 
-pub(crate) fn invalid(msg: impl Into<String>) -> CoreError {
+pub fn invalid(msg: impl Into<String>) -> CoreError {
     CoreError::InvalidArgument(msg.into())
 }
 
-pub(crate) fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
+pub fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
     if expected == got {
         Ok(())
     } else {

@@ -2,7 +2,7 @@
 //! staged through L1 so the arithmetic vectorises (see `simd`).
 use crate::grad::GradSource;
 use crate::layout::{Optimizer, OptimizerConfig};
-use crate::simd::{load_cells, multiversion, store_cells, CHUNK};
+use crate::simd::{load_cells, multiversion, store_cells, Buf, CHUNK};
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
 /// Everything a kernel needs for one step, precomputed once per call.
@@ -57,17 +57,21 @@ impl Hyper {
     }
 }
 
-/// Runs `f(start, len, grad_chunk)` over the source chunk by chunk.
-#[inline(always)]
-fn chunks(n: usize, src: &mut dyn GradSource, mut f: impl FnMut(usize, usize, &[f32])) {
-    let mut gbuf = [0f32; CHUNK];
-    let mut start = 0;
-    while start < n {
-        let len = CHUNK.min(n - start);
-        let g = src.chunk(start, &mut gbuf[..len]);
-        f(start, len, g);
-        start += len;
-    }
+/// Runs `$body` with `$s` (start), `$n` (length) and `$g` (gradient chunk) bound, chunk by
+/// chunk. A macro rather than a closure: closures are compiled without the target features
+/// of the function they sit in, which would lose the vector code.
+macro_rules! for_chunks {
+    ($len:expr, $src:expr, |$s:ident, $n:ident, $g:ident| $body:block) => {{
+        let mut gbuf = Buf::new();
+        let len = $len;
+        let mut $s = 0usize;
+        while $s < len {
+            let $n = CHUNK.min(len - $s);
+            let $g: &[f32] = $src.chunk($s, &mut gbuf.0[..$n]);
+            $body
+            $s += $n;
+        }
+    }};
 }
 
 /// The gradient after clipping scale and weight decay.
@@ -79,9 +83,9 @@ fn eff(g: f32, w: f32, h: &Hyper) -> f32 {
 multiversion! {
     /// `w -= lr * g`
     pub fn sgd(w: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
-        let mut wb = [0f32; CHUNK];
-        chunks(w.len(), src, |s, n, g| {
-            let (wc, wl) = (&w[s..s + n], &mut wb[..n]);
+        let mut wb = Buf::new();
+        for_chunks!(w.len(), src, |s, n, g| {
+            let (wc, wl) = (&w[s..s + n], &mut wb.0[..n]);
             load_cells(wc, wl);
             for (w, &g) in wl.iter_mut().zip(g) {
                 *w -= h.lr * eff(g, *w, h);
@@ -94,10 +98,10 @@ multiversion! {
 multiversion! {
     /// `v = m v + g; w -= lr v`
     pub fn momentum(w: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
-        let (mut wb, mut vb) = ([0f32; CHUNK], [0f32; CHUNK]);
-        chunks(w.len(), src, |s, n, g| {
+        let (mut wb, mut vb) = (Buf::new(), Buf::new());
+        for_chunks!(w.len(), src, |s, n, g| {
             let (wc, vc) = (&w[s..s + n], &v[s..s + n]);
-            let (wl, vl) = (&mut wb[..n], &mut vb[..n]);
+            let (wl, vl) = (&mut wb.0[..n], &mut vb.0[..n]);
             load_cells(wc, wl);
             load_cells(vc, vl);
             for ((w, v), &g) in wl.iter_mut().zip(vl.iter_mut()).zip(g) {
@@ -113,10 +117,10 @@ multiversion! {
 multiversion! {
     /// `v = m v + g; w -= lr (g + m v)`
     pub fn nesterov(w: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
-        let (mut wb, mut vb) = ([0f32; CHUNK], [0f32; CHUNK]);
-        chunks(w.len(), src, |s, n, g| {
+        let (mut wb, mut vb) = (Buf::new(), Buf::new());
+        for_chunks!(w.len(), src, |s, n, g| {
             let (wc, vc) = (&w[s..s + n], &v[s..s + n]);
-            let (wl, vl) = (&mut wb[..n], &mut vb[..n]);
+            let (wl, vl) = (&mut wb.0[..n], &mut vb.0[..n]);
             load_cells(wc, wl);
             load_cells(vc, vl);
             for ((w, v), &g) in wl.iter_mut().zip(vl.iter_mut()).zip(g) {
@@ -133,10 +137,10 @@ multiversion! {
 multiversion! {
     /// `s += g²; w -= lr g / (√s + eps)`
     pub fn adagrad(w: &[AtomicU32], acc: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
-        let (mut wb, mut sb) = ([0f32; CHUNK], [0f32; CHUNK]);
-        chunks(w.len(), src, |s, n, g| {
+        let (mut wb, mut sb) = (Buf::new(), Buf::new());
+        for_chunks!(w.len(), src, |s, n, g| {
             let (wc, sc) = (&w[s..s + n], &acc[s..s + n]);
-            let (wl, sl) = (&mut wb[..n], &mut sb[..n]);
+            let (wl, sl) = (&mut wb.0[..n], &mut sb.0[..n]);
             load_cells(wc, wl);
             load_cells(sc, sl);
             for ((w, a), &g) in wl.iter_mut().zip(sl.iter_mut()).zip(g) {
@@ -160,11 +164,11 @@ multiversion! {
         src: &mut dyn GradSource,
         h: &Hyper,
     ) {
-        let (mut wb, mut mb, mut vb) = ([0f32; CHUNK], [0f32; CHUNK], [0f32; CHUNK]);
+        let (mut wb, mut mb, mut vb) = (Buf::new(), Buf::new(), Buf::new());
         let (a1, a2) = (1.0 - h.beta1, 1.0 - h.beta2);
-        chunks(w.len(), src, |s, n, g| {
+        for_chunks!(w.len(), src, |s, n, g| {
             let (wc, mc, vc) = (&w[s..s + n], &m[s..s + n], &v[s..s + n]);
-            let (wl, ml, vl) = (&mut wb[..n], &mut mb[..n], &mut vb[..n]);
+            let (wl, ml, vl) = (&mut wb.0[..n], &mut mb.0[..n], &mut vb.0[..n]);
             load_cells(wc, wl);
             load_cells(mc, ml);
             load_cells(vc, vl);
@@ -184,9 +188,9 @@ multiversion! {
 multiversion! {
     /// `w += alpha * d`
     pub fn axpy(w: &[AtomicU32], src: &mut dyn GradSource, alpha: f32) {
-        let mut wb = [0f32; CHUNK];
-        chunks(w.len(), src, |s, n, d| {
-            let (wc, wl) = (&w[s..s + n], &mut wb[..n]);
+        let mut wb = Buf::new();
+        for_chunks!(w.len(), src, |s, n, d| {
+            let (wc, wl) = (&w[s..s + n], &mut wb.0[..n]);
             load_cells(wc, wl);
             for (w, &d) in wl.iter_mut().zip(d) {
                 *w += alpha * d;

@@ -13,6 +13,23 @@ use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 /// Elements per staged chunk: four f32 buffers of this size fit in L1.
 pub const CHUNK: usize = 1024;
 
+/// A chunk-sized stack buffer aligned to a cache line, so wide moves never split lines.
+#[repr(C, align(64))]
+pub struct Buf(pub [f32; CHUNK]);
+
+impl Buf {
+    #[inline(always)]
+    pub fn new() -> Buf {
+        Buf([0.0; CHUNK])
+    }
+}
+
+impl Default for Buf {
+    fn default() -> Self {
+        Buf::new()
+    }
+}
+
 /// Defines `fn $name(args) -> ret` that runs its body compiled for AVX2+FMA when
 /// the CPU has them (checked at run time) and for the baseline target otherwise.
 macro_rules! multiversion {
@@ -23,13 +40,19 @@ macro_rules! multiversion {
             fn body($($arg: $ty),*) $(-> $ret)? $body
             #[cfg(target_arch = "x86_64")]
             {
+                #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+                unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+                    body($($arg),*)
+                }
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
                     body($($arg),*)
                 }
-                if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                    // SAFETY: the CPU supports the features `avx2` was compiled for.
-                    return unsafe { avx2($($arg),*) };
+                match $crate::simd::isa() {
+                    // SAFETY: the CPU supports the features each variant was compiled for.
+                    $crate::simd::Isa::Avx512 => return unsafe { avx512($($arg),*) },
+                    $crate::simd::Isa::Avx2 => return unsafe { avx2($($arg),*) },
+                    $crate::simd::Isa::Base => {}
                 }
             }
             body($($arg),*)
@@ -37,6 +60,36 @@ macro_rules! multiversion {
     };
 }
 pub(crate) use multiversion;
+
+/// The widest instruction set this CPU offers among those the kernels are built for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Base,
+    Avx2,
+    Avx512,
+}
+
+/// Detected once; `DNIASYNC_ISA=base|avx2` caps it (to compare variants).
+pub fn isa() -> Isa {
+    static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+    *ISA.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let cap = std::env::var("DNIASYNC_ISA").unwrap_or_default();
+            let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
+            let avx512 = avx2
+                && std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512vl");
+            if avx512 && cap.is_empty() {
+                return Isa::Avx512;
+            }
+            if avx2 && cap != "base" {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Base
+    })
+}
 
 /// Copies `src` cells into `dst` (relaxed, per element).
 #[inline(always)]
@@ -46,7 +99,7 @@ pub fn load_cells(src: &[AtomicU32], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if wide > 0 {
         // SAFETY: both ranges hold `wide` valid, 4-byte aligned elements; see module docs.
-        unsafe { move16(src.as_ptr().cast(), dst.as_mut_ptr().cast(), wide) };
+        unsafe { move_wide(src.as_ptr().cast(), dst.as_mut_ptr().cast(), wide) };
     }
     for (d, s) in dst[wide..].iter_mut().zip(&src[wide..]) {
         *d = f32::from_bits(s.load(Relaxed));
@@ -61,7 +114,7 @@ pub fn store_cells(dst: &[AtomicU32], src: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     if wide > 0 {
         // SAFETY: as in `load_cells`; the cells are shared, so writes go through asm.
-        unsafe { move16(src.as_ptr().cast(), dst.as_ptr().cast_mut().cast(), wide) };
+        unsafe { move_wide(src.as_ptr().cast(), dst.as_ptr().cast_mut().cast(), wide) };
     }
     for (d, s) in dst[wide..].iter().zip(&src[wide..]) {
         d.store(s.to_bits(), Relaxed);
@@ -71,10 +124,71 @@ pub fn store_cells(dst: &[AtomicU32], src: &[f32]) {
 #[inline(always)]
 fn wide_prefix(n: usize) -> usize {
     if cfg!(target_arch = "x86_64") {
-        n & !15
+        n & !31
     } else {
         0
     }
+}
+
+/// Moves `n` (a positive multiple of 32) elements with the widest moves available.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn move_wide(src: *const u8, dst: *mut u8, n: usize) {
+    match isa() {
+        Isa::Avx512 => move_zmm(src, dst, n),
+        Isa::Avx2 => move_ymm(src, dst, n),
+        Isa::Base => move16(src, dst, n),
+    }
+}
+
+/// As `move16` with 64-byte AVX-512 moves (`n` a multiple of 32).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn move_zmm(src: *const u8, dst: *mut u8, n: usize) {
+    std::arch::asm!(
+        "2:",
+        "vmovups zmm0, [{s} + {i}]",
+        "vmovups zmm1, [{s} + {i} + 64]",
+        "vmovups [{d} + {i}], zmm0",
+        "vmovups [{d} + {i} + 64], zmm1",
+        "add {i}, 128",
+        "cmp {i}, {end}",
+        "jb 2b",
+        s = in(reg) src,
+        d = in(reg) dst,
+        i = inout(reg) 0usize => _,
+        end = in(reg) n * 4,
+        out("zmm0") _, out("zmm1") _,
+        options(nostack),
+    );
+}
+
+/// As `move16` with 32-byte AVX moves (`n` a multiple of 32).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+#[inline]
+unsafe fn move_ymm(src: *const u8, dst: *mut u8, n: usize) {
+    std::arch::asm!(
+        "2:",
+        "vmovups ymm0, [{s} + {i}]",
+        "vmovups ymm1, [{s} + {i} + 32]",
+        "vmovups ymm2, [{s} + {i} + 64]",
+        "vmovups ymm3, [{s} + {i} + 96]",
+        "vmovups [{d} + {i}], ymm0",
+        "vmovups [{d} + {i} + 32], ymm1",
+        "vmovups [{d} + {i} + 64], ymm2",
+        "vmovups [{d} + {i} + 96], ymm3",
+        "add {i}, 128",
+        "cmp {i}, {end}",
+        "jb 2b",
+        s = in(reg) src,
+        d = in(reg) dst,
+        i = inout(reg) 0usize => _,
+        end = in(reg) n * 4,
+        out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
+        options(nostack),
+    );
 }
 
 /// Moves `n` (a positive multiple of 16) 4-byte elements with 16-byte SSE moves.

@@ -112,16 +112,34 @@ impl ParamStore {
     /// Maps the shared store `name` created by another process. With `expected`, fails with
     /// `LayoutMismatch` unless the store has exactly that layout.
     pub fn attach(name: &str, expected: Option<&Layout>) -> Result<ParamStore> {
+        Self::attach_expecting(
+            name,
+            expected.map(|l| l.segments.as_slice()),
+            expected.map(|l| &l.config),
+        )
+    }
+
+    /// As `attach`, checking the segments and the optimizer configuration separately,
+    /// each only when given.
+    pub fn attach_expecting(
+        name: &str,
+        segments: Option<&[SegmentSpec]>,
+        config: Option<&OptimizerConfig>,
+    ) -> Result<ParamStore> {
         let region = Region::attach_shm(name)?;
         let layout = read_layout(&region, name)?;
-        if let Some(want) = expected {
-            if *want != layout {
-                return Err(CoreError::LayoutMismatch(format!(
-                    "store {name:?} has {} but {} was expected",
-                    describe(&layout),
-                    describe(want)
-                )));
-            }
+        let seg_ok = segments.is_none_or(|s| s == layout.segments.as_slice());
+        let cfg_ok = config.is_none_or(|c| *c == layout.config);
+        if !(seg_ok && cfg_ok) {
+            let want = Layout {
+                segments: segments.map_or_else(|| layout.segments.clone(), <[_]>::to_vec),
+                config: config.copied().unwrap_or(layout.config),
+            };
+            return Err(CoreError::LayoutMismatch(format!(
+                "store {name:?} has {} but {} was expected",
+                describe(&layout),
+                describe(&want)
+            )));
         }
         Ok(Self::index(region, layout))
     }

@@ -85,33 +85,40 @@ multiversion! {
         let (rh, rt) = r.split_at_mut(base_len);
         let (gh, gt) = g.split_at(base_len);
         for (bi, (rc, gc)) in rh.chunks_exact_mut(B).zip(gh.chunks_exact(B)).enumerate() {
-            // Vectorised pass: accumulate and note whether any element crossed the threshold.
-            let mut hit = 0u32;
-            for (ri, &gi) in rc.iter_mut().zip(gc) {
+            // Vectorised pass: accumulate and flag the elements that crossed the threshold.
+            let mut flags = [0u8; B];
+            for ((ri, &gi), f) in rc.iter_mut().zip(gc).zip(flags.iter_mut()) {
                 *ri += gi;
-                hit |= u32::from(ri.abs() >= tau);
+                *f = u8::from(ri.abs() >= tau);
             }
-            if hit != 0 {
-                emit(rc, bi * B, tau, out);
+            let mut mask = 0u64;
+            for (j, &f) in flags.iter().enumerate() {
+                mask |= u64::from(f) << j;
+            }
+            // Visit only the flagged elements.
+            while mask != 0 {
+                let j = mask.trailing_zeros() as usize;
+                mask &= mask - 1;
+                emit_one(&mut rc[j], bi * B + j, tau, out);
             }
         }
-        for (ri, &gi) in rt.iter_mut().zip(gt) {
+        for (j, (ri, &gi)) in rt.iter_mut().zip(gt).enumerate() {
             *ri += gi;
+            if ri.abs() >= tau {
+                emit_one(ri, base_len + j, tau, out);
+            }
         }
-        emit(rt, base_len, tau, out);
     }
 }
 
 #[inline(always)]
-fn emit(r: &mut [f32], base: usize, tau: f32, out: &mut Vec<u32>) {
-    for (j, ri) in r.iter_mut().enumerate() {
-        if *ri >= tau {
-            *ri -= tau;
-            out.push((base + j) as u32);
-        } else if *ri <= -tau {
-            *ri += tau;
-            out.push((base + j) as u32 | SIGN_BIT);
-        }
+fn emit_one(r: &mut f32, index: usize, tau: f32, out: &mut Vec<u32>) {
+    if *r >= tau {
+        *r -= tau;
+        out.push(index as u32);
+    } else {
+        *r += tau;
+        out.push(index as u32 | SIGN_BIT);
     }
 }
 
