@@ -1,0 +1,276 @@
+"""``python -m dniasync.node``: run one node of a dniasync cluster."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import tomllib
+from typing import Any
+
+from ..actors import ActorError, ActorSystem
+from ..remote import RemoteSettings, WebSocketTransport, is_loopback, parse_hostport, read_token_file
+from ..runtime import run
+from ._membership import COORDINATOR, Join, Leave, join_cluster
+from ._roles import NEEDS_JOIN, NODE_INFO, ROLES, NodeContext, NodeInfo, load_actor_class
+
+__all__ = ["build_parser", "main"]
+
+log = logging.getLogger("dniasync.node")
+
+_DESCRIPTION = """\
+Run one node of a dniasync cluster. Start the coordinator first, then the
+other nodes with --join pointing at it. Every node prints
+'dniasync node ROLE listening on HOST:PORT' once it serves, and leaves the
+cluster cleanly on SIGTERM or SIGINT (exit status 0).
+"""
+
+_EPILOG = """\
+config file (TOML): options may also come from a [node] table, e.g.
+
+  [node]
+  role = "worker"
+  listen = "127.0.0.1:7001"
+  join = "127.0.0.1:7000"
+  token_file = "cluster.token"
+  detect_s = 3.0
+  spawn = ["dniasync.node.demo:Echo=echo"]
+
+Options given on the command line win over the file. Other tables are left
+to the training layer.
+
+examples:
+  python -m dniasync.node --role coordinator --listen 127.0.0.1:7000
+  python -m dniasync.node --role worker --join 127.0.0.1:7000 --spawn dniasync.node.demo:Echo=echo
+
+exit status: 0 after a clean shutdown, 1 on a runtime failure (port in use,
+...), 2 on bad arguments or configuration.
+"""
+
+_CONFIG_KEYS = {
+    "role": str,
+    "listen": str,
+    "join": str,
+    "advertise": str,
+    "token_file": str,
+    "heartbeat_s": float,
+    "detect_s": float,
+    "spawn": list,
+    "log_level": str,
+}
+
+
+class _UsageError(Exception):
+    """Bad arguments or configuration: exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dniasync.node",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--role", choices=sorted(ROLES), help="what this node does: " + ", ".join(sorted(ROLES)) + " (required)"
+    )
+    parser.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="address to serve on (default 127.0.0.1:0, an ephemeral port; the real one is printed). "
+        "A non-loopback host requires --token-file",
+    )
+    parser.add_argument("--join", metavar="HOST:PORT", help="the coordinator's address (required except for it)")
+    parser.add_argument(
+        "--advertise", metavar="HOST:PORT", help="address other nodes reach this one at (default: --listen)"
+    )
+    parser.add_argument(
+        "--token-file",
+        metavar="F",
+        help="file holding the shared cluster token (>= 16 bytes); every node of the cluster uses the same",
+    )
+    parser.add_argument("--config", metavar="F", help="TOML file with a [node] table of these options")
+    parser.add_argument(
+        "--spawn",
+        action="append",
+        metavar="MODULE:CLASS[=NAME]",
+        help="also start this actor on the node (repeatable), e.g. dniasync.node.demo:Echo=echo",
+    )
+    parser.add_argument(
+        "--heartbeat-s", type=float, metavar="S", help="heartbeat interval in seconds (default 0.5)"
+    )
+    parser.add_argument(
+        "--detect-s",
+        type=float,
+        metavar="S",
+        help="a peer silent for this many seconds is declared down (default 3.0)",
+    )
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+    return parser
+
+
+def _load_config(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            document = tomllib.load(fh)
+    except OSError as exc:
+        raise _UsageError(f"cannot read config {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise _UsageError(f"config {path} is not valid TOML: {exc}") from None
+    table = document.get("node", {})
+    if not isinstance(table, dict):
+        raise _UsageError(f"config {path}: [node] must be a table")
+    for key, value in table.items():
+        expected = _CONFIG_KEYS.get(key)
+        if expected is None:
+            raise _UsageError(f"config {path}: unknown key node.{key} (known: {', '.join(sorted(_CONFIG_KEYS))})")
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, expected):
+            raise _UsageError(f"config {path}: node.{key} must be a {expected.__name__}")
+        table[key] = value
+    return table
+
+
+def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Merge the config file and the command line; validate. Raises ``_UsageError``."""
+    options: dict[str, Any] = _load_config(args.config) if args.config else {}
+    for key in _CONFIG_KEYS:
+        value = getattr(args, key, None)
+        if value is not None:
+            options[key] = value
+    options.setdefault("listen", "127.0.0.1:0")
+    options.setdefault("spawn", [])
+    options.setdefault("log_level", "info")
+    role = options.get("role")
+    if role is None:
+        raise _UsageError("--role is required (" + ", ".join(sorted(ROLES)) + ")")
+    if role not in ROLES:
+        raise _UsageError(f"unknown role {role!r} (choose from {', '.join(sorted(ROLES))})")
+    for key in ("listen", "join", "advertise"):
+        if key in options:
+            try:
+                parse_hostport(options[key])
+            except ValueError as exc:
+                raise _UsageError(f"--{key}: {exc}") from None
+    if role in NEEDS_JOIN and "join" not in options:
+        raise _UsageError(f"role {role} needs --join HOST:PORT (the coordinator's address)")
+    token: bytes | None = None
+    if "token_file" in options:
+        try:
+            token = read_token_file(options["token_file"])
+        except OSError as exc:
+            raise _UsageError(f"--token-file {options['token_file']}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise _UsageError(str(exc)) from None
+    host, _ = parse_hostport(options["listen"])
+    if token is None and not is_loopback(host):
+        raise _UsageError(
+            f"refusing to listen on {host} without a cluster token: pass --token-file, or listen on 127.0.0.1"
+        )
+    options["token"] = token
+    try:
+        defaults = RemoteSettings()
+        options["settings"] = RemoteSettings(
+            heartbeat_s=options.get("heartbeat_s", defaults.heartbeat_s),
+            detect_s=options.get("detect_s", defaults.detect_s),
+        )
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+    try:
+        options["actors"] = [load_actor_class(spec) for spec in options["spawn"]]
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+    return options
+
+
+async def run_node(options: dict[str, Any]) -> int:
+    """Run a node until SIGTERM/SIGINT; 0 after a clean shutdown."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    role: str = options["role"]
+    async with ActorSystem() as system:
+        transport = WebSocketTransport(
+            system,
+            options["listen"],
+            token=options["token"],
+            advertise=options.get("advertise"),
+            settings=options["settings"],
+        )
+        try:
+            await transport.start()
+        except OSError as exc:
+            print(f"error: cannot listen on {options['listen']}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+        try:
+            context = NodeContext(system, transport, role, options.get("join"), stop, options)
+            await ROLES[role](context)
+            await system.spawn(NodeInfo, context, name=NODE_INFO)
+            for cls, name in options["actors"]:
+                await system.spawn(cls, name=name)
+            print(f"dniasync node {role} listening on {transport.address}", flush=True)
+            joined = await _join(context)
+            if joined:
+                print(f"dniasync node {transport.address} joined the cluster via {context.join}", flush=True)
+            await stop.wait()
+            log.info("shutting down")
+            if joined:
+                await _leave(context)
+        finally:
+            await transport.close()
+    return 0
+
+
+async def _join(context: NodeContext) -> bool:
+    if context.join is None or context.membership is None:
+        return False
+    membership = context.membership
+    coordinator = context.system.ref(f"{COORDINATOR}@{context.join}")
+    join = Join(context.transport.address, context.role, context.transport.incarnation, membership)
+    join_task = asyncio.ensure_future(join_cluster(membership, join, coordinator, context.stop))
+    stop_task = asyncio.ensure_future(context.stop.wait())
+    try:
+        await asyncio.wait({join_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop_task.cancel()
+    if not join_task.done():
+        join_task.cancel()
+    try:
+        await join_task
+    except (asyncio.CancelledError, ActorError):
+        return False
+    return True
+
+
+async def _leave(context: NodeContext) -> None:
+    assert context.join is not None
+    try:
+        await context.system.ref(f"{COORDINATOR}@{context.join}").ask(Leave(context.transport.address), timeout=2.0)
+    except ActorError as exc:
+        log.warning("could not tell the coordinator this node leaves: %s", exc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m dniasync.node``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 with a message on bad arguments
+    try:
+        options = resolve_options(args)
+    except _UsageError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=options["log_level"].upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return run(run_node(options))
+    except KeyboardInterrupt:
+        return 0
+
