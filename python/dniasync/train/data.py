@@ -298,6 +298,8 @@ def load_csv(
             body = text.read() if header else first + text.read()
         except (OSError, EOFError, UnicodeDecodeError) as e:
             raise DatasetError(f"{path}: cannot read: {e}") from None
+    if not body.strip():
+        raise DatasetError(f"{path}: no data rows")
     try:
         table = np.loadtxt(io.StringIO(body), delimiter=delimiter, dtype=np.float64, ndmin=2)
     except ValueError as e:

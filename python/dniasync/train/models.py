@@ -125,8 +125,8 @@ def build_model(
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 model = factory(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise ModelFactoryError(f"model factory {spec!r} failed: {e}") from None
+    except Exception as e:  # any failure of user code at build time is a config problem
+        raise ModelFactoryError(f"model factory {spec!r} failed: {type(e).__name__}: {e}") from e
     if not isinstance(model, nn.Module):
         raise ModelFactoryError(
             f"model factory {spec!r} returned {type(model).__name__}, not a torch.nn.Module"
