@@ -17,7 +17,7 @@ pub struct Int8Codec {
 #[pymethods]
 impl Int8Codec {
     #[new]
-    #[pyo3(signature = (n, block = int8::DEFAULT_BLOCK))]
+    #[pyo3(signature = (n, block = 256))]
     fn new(n: usize, block: usize) -> PyResult<Self> {
         if block == 0 {
             return Err(to_py(dniasync_core::CoreError::InvalidArgument(

@@ -28,7 +28,7 @@ impl OneBitCodec {
 #[pymethods]
 impl OneBitCodec {
     #[new]
-    #[pyo3(signature = (n, block = onebit::DEFAULT_BLOCK))]
+    #[pyo3(signature = (n, block = 256))]
     fn new(n: usize, block: usize) -> PyResult<Self> {
         let encoder = OneBitEncoder::new(n, block).map_err(to_py)?;
         Ok(OneBitCodec {

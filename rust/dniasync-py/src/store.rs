@@ -75,7 +75,7 @@ impl ParamStore {
 #[pymethods]
 impl ParamStore {
     #[new]
-    #[pyo3(signature = (segments, optimizer = "sgd", *, momentum = 0.9, betas = (0.9, 0.999),
+    #[pyo3(signature = (segments, optimizer = "sgd", *, momentum = 0.9, beta1 = 0.9, beta2 = 0.999,
         eps = None, weight_decay = 0.0, clip_norm = None, shm_name = None, nonfinite = "reject"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -83,14 +83,15 @@ impl ParamStore {
         segments: Vec<(String, usize)>,
         optimizer: &str,
         momentum: f32,
-        betas: (f32, f32),
+        beta1: f32,
+        beta2: f32,
         eps: Option<f32>,
         weight_decay: f32,
         clip_norm: Option<f32>,
         shm_name: Option<String>,
         nonfinite: &str,
     ) -> PyResult<Self> {
-        let config = optimizer_config(optimizer, momentum, betas, eps, weight_decay, clip_norm)?;
+        let config = optimizer_config(optimizer, momentum, (beta1, beta2), eps, weight_decay, clip_norm)?;
         let layout = Layout::new(specs(segments), config);
         let policy = policy(nonfinite)?;
         let elems = layout.n_params();
@@ -105,7 +106,7 @@ impl ParamStore {
     /// Maps the shared store `shm_name`; checks segments and optimizer when given.
     #[staticmethod]
     #[pyo3(signature = (shm_name, segments = None, optimizer = None, *, momentum = 0.9,
-        betas = (0.9, 0.999), eps = None, weight_decay = 0.0, clip_norm = None, nonfinite = "reject"))]
+        beta1 = 0.9, beta2 = 0.999, eps = None, weight_decay = 0.0, clip_norm = None, nonfinite = "reject"))]
     #[allow(clippy::too_many_arguments)]
     fn attach(
         py: Python<'_>,
@@ -113,14 +114,15 @@ impl ParamStore {
         segments: Option<Vec<(String, usize)>>,
         optimizer: Option<&str>,
         momentum: f32,
-        betas: (f32, f32),
+        beta1: f32,
+        beta2: f32,
         eps: Option<f32>,
         weight_decay: f32,
         clip_norm: Option<f32>,
         nonfinite: &str,
     ) -> PyResult<Self> {
         let config = optimizer
-            .map(|o| optimizer_config(o, momentum, betas, eps, weight_decay, clip_norm))
+            .map(|o| optimizer_config(o, momentum, (beta1, beta2), eps, weight_decay, clip_norm))
             .transpose()?;
         let segments = segments.map(specs);
         let policy = policy(nonfinite)?;

@@ -94,14 +94,20 @@ multiversion! {
             recon[8 * b..8 * b + 4].copy_from_slice(&pos.to_le_bytes());
             recon[8 * b + 4..8 * b + 8].copy_from_slice(&neg.to_le_bytes());
             let out = &mut bits[b * block / 8..];
-            for (byte, acc) in out.iter_mut().zip(ec.chunks_mut(8)) {
-                let mut v = 0u8;
-                for (j, a) in acc.iter_mut().enumerate() {
+            for (bytes, acc) in out.chunks_mut(8).zip(ec.chunks_mut(64)) {
+                // Flags and error update vectorise; the flags then pack into one u64.
+                let mut flags = [0u8; 64];
+                for (a, f) in acc.iter_mut().zip(flags.iter_mut()) {
                     let nonneg = *a >= 0.0;
-                    v |= u8::from(nonneg) << j;
+                    *f = u8::from(nonneg);
                     *a -= if nonneg { pos } else { neg };
                 }
-                *byte = v;
+                let mut mask = 0u64;
+                for (j, &f) in flags.iter().enumerate() {
+                    mask |= u64::from(f) << j;
+                }
+                let n_bytes = acc.len().div_ceil(8);
+                bytes[..n_bytes].copy_from_slice(&mask.to_le_bytes()[..n_bytes]);
             }
         }
     }

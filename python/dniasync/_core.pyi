@@ -1,0 +1,206 @@
+"""Typed stub of the Rust extension ``dniasync._core`` (hand-written, checked by stubtest).
+
+Arrays are numpy arrays of the stated dtype; they must be C-contiguous and are read flat
+(any shape). Errors:
+
+- ``TypeError``: not a numpy array, or the wrong dtype;
+- ``ValueError``: non-contiguous array, length mismatch, bad argument;
+- ``KeyError``: unknown segment;
+- ``NonFiniteGradientError`` (a ``ValueError``): NaN/Inf in a gradient, update rejected
+  and counted (``ParamStore.rejected_nonfinite``) unless the policy is ``"allow"``;
+- ``LayoutMismatchError`` (a ``ValueError``): attaching to a shared store whose layout
+  differs from the one given;
+- ``FileExistsError`` / ``FileNotFoundError`` / ``OSError``: shared-memory file problems.
+
+Every call on more than ~4 KB releases the GIL.
+"""
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Literal, TypeAlias, final
+
+import numpy as np
+from numpy.typing import NDArray
+
+__version__: str
+__all__ = [
+    "__version__",
+    "Int8Codec",
+    "LayoutMismatchError",
+    "NonFiniteGradientError",
+    "OneBitCodec",
+    "ParamStore",
+    "ThresholdCodec",
+]
+
+_OptimizerName: TypeAlias = Literal["sgd", "momentum", "nesterov", "adagrad", "adam"]
+_NonFinitePolicy: TypeAlias = Literal["reject", "allow"]
+
+class NonFiniteGradientError(ValueError):
+    """A gradient contained NaN or Inf; the update was rejected and counted."""
+
+class LayoutMismatchError(ValueError):
+    """A shared-memory store exists with a different layout than the one expected."""
+
+@final
+class ParamStore:
+    """Flat float32 parameters in named, versioned segments, updated in place without locks.
+
+    Hogwild semantics: concurrent updates of one element may overwrite each other (no
+    undefined behaviour: every cell is a relaxed atomic), except through ``add_exact``.
+    Optimizer state lives in the same store (``state_slots`` arrays after the parameters).
+    With ``shm_name`` the store is the file ``/dev/shm/dniasync-<shm_name>``, which other
+    processes map with ``ParamStore.attach``; the creating process removes it on ``close``
+    (or when the store is garbage collected).
+    """
+
+    def __new__(
+        cls,
+        segments: Sequence[tuple[str, int]],
+        optimizer: _OptimizerName = "sgd",
+        *,
+        momentum: float = 0.9,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float | None = None,
+        weight_decay: float = 0.0,
+        clip_norm: float | None = None,
+        shm_name: str | None = None,
+        nonfinite: _NonFinitePolicy = "reject",
+    ) -> ParamStore: ...
+    @staticmethod
+    def attach(
+        shm_name: str,
+        segments: Sequence[tuple[str, int]] | None = None,
+        optimizer: _OptimizerName | None = None,
+        *,
+        momentum: float = 0.9,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float | None = None,
+        weight_decay: float = 0.0,
+        clip_norm: float | None = None,
+        nonfinite: _NonFinitePolicy = "reject",
+    ) -> ParamStore:
+        """Map a shared store; raise LayoutMismatchError unless it has the given segments/optimizer."""
+    @staticmethod
+    def is_stale(shm_name: str) -> bool:
+        """True when the shared store exists and the process that created it is gone."""
+    @staticmethod
+    def remove_stale(shm_name: str) -> bool:
+        """Remove the shared store if stale; return whether it was removed."""
+    @property
+    def segments(self) -> list[tuple[str, int, int]]:
+        """(name, offset, length) of every segment, in order."""
+    @property
+    def optimizer(self) -> _OptimizerName: ...
+    @property
+    def state_slots(self) -> int: ...
+    @property
+    def shm_name(self) -> str | None: ...
+    @property
+    def is_owner(self) -> bool: ...
+    @property
+    def nonfinite_policy(self) -> _NonFinitePolicy: ...
+    def set_nonfinite_policy(self, policy_name: _NonFinitePolicy) -> None: ...
+    @property
+    def rejected_nonfinite(self) -> int: ...
+    def __len__(self) -> int: ...
+    def version(self, segment: str) -> int:
+        """Updates applied to the segment so far; every update bumps it."""
+    def steps(self, segment: str) -> int:
+        """Optimizer steps applied to the segment (Adam's bias-correction count)."""
+    def view(self, segment: str | None = None, state: int = 0) -> NDArray[np.float32]:
+        """Zero-copy writable view of a segment (all parameters when None); state 1.. = optimizer state."""
+    def read_into(self, segment: str, out: NDArray[np.float32], state: int = 0) -> int:
+        """Copy the segment into ``out``; return the version read (all updates up to it are in)."""
+    def write(self, segment: str, values: NDArray[np.float32], state: int = 0) -> int:
+        """Overwrite the segment; return the new version."""
+    def step(self, segment: str, grad: NDArray[np.float32], lr: float) -> int:
+        """One fused optimizer step (weight decay, clipping, update); return the new version."""
+    def add(self, segment: str, delta: NDArray[np.float32], alpha: float = 1.0) -> int:
+        """Hogwild ``w += alpha * delta``; return the new version."""
+    def add_exact(self, segment: str, delta: NDArray[np.float32], alpha: float = 1.0) -> int:
+        """``w += alpha * delta`` by compare-and-swap, losing nothing to concurrent adds."""
+    def close(self) -> None:
+        """Remove the shared-memory name if this process created it; views stay valid."""
+    def __enter__(self) -> ParamStore: ...
+    def __exit__(
+        self,
+        _exc_type: type[BaseException] | None,
+        _exc: BaseException | None,
+        _tb: TracebackType | None,
+    ) -> bool: ...
+
+@final
+class ThresholdCodec:
+    """Strom threshold quantizer with a sender residual.
+
+    ``encode`` adds the gradient to the residual and emits, for every element whose residual
+    reaches +-tau, one uint32 code (bit 31 = sign, bits 0-30 = index, ascending), subtracting
+    +-tau from the residual. Decoding yields exactly +-tau (not +-1) at coded indices.
+    """
+
+    def __new__(cls, n: int, tau: float) -> ThresholdCodec: ...
+    @property
+    def n(self) -> int: ...
+    @property
+    def tau(self) -> float: ...
+    def encode(self, grad: NDArray[np.float32]) -> NDArray[np.uint32]: ...
+    def decode(self, codes: NDArray[np.uint32]) -> NDArray[np.float32]: ...
+    def apply(
+        self, store: ParamStore, segment: str, codes: NDArray[np.uint32], lr: float
+    ) -> int:
+        """Optimizer step of ``store`` with the decoded gradient, never materialised densely."""
+    def add_to(
+        self, store: ParamStore, segment: str, codes: NDArray[np.uint32], alpha: float = 1.0
+    ) -> int:
+        """``w += alpha * decoded`` touching only the coded elements."""
+    def residual(self) -> NDArray[np.float32]:
+        """Copy of the residual."""
+    def reset(self) -> None: ...
+    def compression_ratio(self, codes: NDArray[np.uint32]) -> float: ...
+
+@final
+class OneBitCodec:
+    """1-bit SGD with error feedback: a sign bit per element, per block the means of the
+    non-negative and of the negative values; the quantization error is carried here.
+    Payload (uint8): per block two little-endian float32 means, then the bits (LSB first)."""
+
+    def __new__(cls, n: int, block: int = 256) -> OneBitCodec: ...
+    @property
+    def n(self) -> int: ...
+    @property
+    def block(self) -> int: ...
+    def encode(self, grad: NDArray[np.float32]) -> NDArray[np.uint8]: ...
+    def decode(self, payload: NDArray[np.uint8]) -> NDArray[np.float32]: ...
+    def apply(
+        self, store: ParamStore, segment: str, payload: NDArray[np.uint8], lr: float
+    ) -> int: ...
+    def add_to(
+        self, store: ParamStore, segment: str, payload: NDArray[np.uint8], alpha: float = 1.0
+    ) -> int: ...
+    def error(self) -> NDArray[np.float32]:
+        """Copy of the carried quantization error."""
+    def reset(self) -> None: ...
+    def compression_ratio(self) -> float: ...
+
+@final
+class Int8Codec:
+    """8-bit blockwise quantizer (stateless): per block one float32 scale (max|g|/127),
+    one int8 per element. Payload (uint8): the little-endian scales, then the codes."""
+
+    def __new__(cls, n: int, block: int = 256) -> Int8Codec: ...
+    @property
+    def n(self) -> int: ...
+    @property
+    def block(self) -> int: ...
+    def encode(self, grad: NDArray[np.float32]) -> NDArray[np.uint8]: ...
+    def decode(self, payload: NDArray[np.uint8]) -> NDArray[np.float32]: ...
+    def apply(
+        self, store: ParamStore, segment: str, payload: NDArray[np.uint8], lr: float
+    ) -> int: ...
+    def add_to(
+        self, store: ParamStore, segment: str, payload: NDArray[np.uint8], alpha: float = 1.0
+    ) -> int: ...
+    def compression_ratio(self) -> float: ...
