@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from ..actors import ActorNotFound, ActorStopped, MailboxFull, UnhandledMessage
+from ..actors import ActorNotFound, ActorStopped, ActorUnreachable, MailboxFull, UnhandledMessage
 from ._codec import OP_ASK, OP_FAIL, OP_PING, OP_REPLY, OP_TELL, Decoder, Encoded, Frame, encode
 from ._errors import DecodeError, RemoteError
 
@@ -30,7 +30,9 @@ def remote_error(address: str, remote_type: str, detail: str) -> Exception:
     """The local exception for an error that a remote handler (or node) raised."""
     if remote_type == "ActorNotFound":
         return ActorNotFound(detail)
-    if remote_type in ("ActorStopped", "ActorUnreachable"):
+    if remote_type == "ActorUnreachable":
+        return ActorUnreachable(address, detail)
+    if remote_type == "ActorStopped":
         return ActorStopped(address, "stopped on its node")
     if remote_type == "UnhandledMessage":
         return UnhandledMessage(detail)

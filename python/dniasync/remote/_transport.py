@@ -155,9 +155,11 @@ class WebSocketTransport:
         self.system.attach_transport(self, self.address)
         self._tg = asyncio.TaskGroup()
         await self._tg.__aenter__()
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(
+            self.app, access_log=None, handle_signals=False, shutdown_timeout=self.settings.close_timeout_s
+        )
         await self._runner.setup()
-        await web.SockSite(self._runner, sock, shutdown_timeout=self.settings.close_timeout_s).start()
+        await web.SockSite(self._runner, sock).start()
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=5.0))
         self.spawn_task(self._watch(), "ws-heartbeat")
         log.info("node %s listening (incarnation %s)", self.address, self.incarnation)

@@ -1,0 +1,119 @@
+"""Shared fixtures: real node processes on loopback."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+_LISTENING = re.compile(r"listening on (\S+)")
+
+
+class NodeProcess:
+    """A ``python -m dniasync.node`` child: its address, its output, its fate."""
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.args = args
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dniasync.node", *args],
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+            text=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.address = ""
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line)
+            self.lines.put(line)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_for_line(self, pattern: str, timeout: float = 20.0) -> re.Match[str]:
+        """Wait for a stdout line matching ``pattern`` (seen before or arriving)."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while True:
+            for line in self.output[seen:]:
+                match = regex.search(line)
+                if match:
+                    return match
+            seen = len(self.output)
+            left = deadline - time.monotonic()
+            if left <= 0 or (self.proc.poll() is not None and self.lines.empty()):
+                raise AssertionError(f"node never printed {pattern!r}; stderr:\n{self.stderr()[-3000:]}")
+            try:
+                self.lines.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                pass
+
+    def wait_listening(self, timeout: float = 20.0) -> str:
+        self.address = self.wait_for_line(_LISTENING.pattern, timeout).group(1)
+        return self.address
+
+    def stderr(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def rss_kib(self) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmRSS")
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL if it does not exit within ``timeout``; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        code = self.proc.wait()
+        self._log.close()
+        return code
+
+
+@pytest.fixture
+def start_node(tmp_path: Path) -> Iterator[Callable[..., NodeProcess]]:
+    """Factory: ``start_node("--role", "worker", ...)`` -> a listening :class:`NodeProcess`.
+
+    Every node started is stopped at teardown.
+    """
+    started: list[NodeProcess] = []
+
+    def start(*args: str, wait: bool = True) -> NodeProcess:
+        node = NodeProcess(list(args), tmp_path / f"node-{len(started)}.log")
+        started.append(node)
+        if wait:
+            node.wait_listening()
+        return node
+
+    yield start
+    for node in started:
+        node.stop()
