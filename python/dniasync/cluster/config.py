@@ -301,9 +301,8 @@ class _Section:
     def given(self, key: str) -> bool:
         return key in self.table
 
-    def _get(self, key: str, default: Any) -> Any:
-        if key in self.table:
-            return self.table[key]
+    def _default(self, key: str, default: Any) -> Any:
+        """The value of an absent key: ``default``, or an error when the key is required."""
         if default is _MISSING:
             raise ConfigError(f"missing required key '{self.key(key)}'", self.key(key))
         return default
@@ -312,9 +311,9 @@ class _Section:
         return ConfigError(f"'{self.key(key)}' {problem}", self.key(key))
 
     def string(self, key: str, default: Any = _MISSING, choices: tuple[str, ...] = ()) -> Any:
-        value = self._get(key, default)
-        if value is default and default is not _MISSING:
-            return value
+        if key not in self.table:
+            return self._default(key, default)
+        value = self.table[key]
         if not isinstance(value, str):
             raise self.error(key, f"must be a string, got {_type_name(value)}")
         if choices and value not in choices:
@@ -322,9 +321,9 @@ class _Section:
         return value
 
     def integer(self, key: str, default: Any = _MISSING, minimum: int | None = None) -> Any:
-        value = self._get(key, default)
-        if value is default and default is not _MISSING:
-            return value
+        if key not in self.table:
+            return self._default(key, default)
+        value = self.table[key]
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.error(key, f"must be an integer, got {_type_name(value)}")
         if minimum is not None and value < minimum:
@@ -341,15 +340,15 @@ class _Section:
         low_open: bool = False,
         high_open: bool = False,
     ) -> Any:
-        value = self._get(key, default)
-        if value is default and default is not _MISSING:
-            return value
+        if key not in self.table:
+            return self._default(key, default)
+        value = self.table[key]
         return _check_number(self.key(key), value, low, high, low_open, high_open)
 
     def boolean(self, key: str, default: Any = _MISSING) -> Any:
-        value = self._get(key, default)
-        if value is default and default is not _MISSING:
-            return value
+        if key not in self.table:
+            return self._default(key, default)
+        value = self.table[key]
         if not isinstance(value, bool):
             raise self.error(key, f"must be true or false, got {_type_name(value)}")
         return value

@@ -61,6 +61,9 @@ IndexArray = NDArray[np.int64]
 BUILTIN_DATASETS: Final[dict[str, int]] = {"mnist5k": 5000, "digits": 1797}
 
 _GZIP_MAGIC: Final = b"\x1f\x8b"
+# Independent random streams derived from the one job seed.
+_SPLIT_STREAM: Final = 0
+_SHARD_STREAM: Final = 1
 # IDX type byte -> big-endian element dtype (http://yann.lecun.com/exdb/mnist/).
 _IDX_DTYPES: Final[dict[int, str]] = {
     0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8",
@@ -123,9 +126,11 @@ def _open_maybe_gzip(path: Path) -> io.BufferedIOBase:
         raw = path.open("rb")
     except FileNotFoundError:
         raise DatasetError(f"no such file: {path}") from None
+    except OSError as e:
+        raise DatasetError(f"cannot open {path}: {e}") from None
     if raw.read(2) == _GZIP_MAGIC:
-        raw.seek(0)
-        return gzip.GzipFile(fileobj=raw, mode="rb")
+        raw.close()
+        return gzip.open(path, "rb")  # owns its file, unlike GzipFile(fileobj=...)
     raw.seek(0)
     return raw
 
@@ -133,8 +138,8 @@ def _open_maybe_gzip(path: Path) -> io.BufferedIOBase:
 def _open_text(path: Path) -> TextIO:
     """Open ``path`` as UTF-8 text, decompressing when it starts like gzip."""
     with _open_maybe_gzip(path) as probe:
-        is_gzip = isinstance(probe, gzip.GzipFile)
-    if is_gzip:
+        compressed = isinstance(probe, gzip.GzipFile)
+    if compressed:
         return gzip.open(path, "rt", encoding="utf-8")
     return path.open("r", encoding="utf-8")
 
@@ -475,7 +480,7 @@ def split(ds: Dataset, n_train: int, n_test: int, seed: int) -> tuple[Dataset, D
         raise DatasetError(
             f"{ds.name} has {len(ds)} examples, fewer than n_train + n_test = {n_train + n_test}"
         )
-    order = np.random.default_rng([seed, 0x5EED]).permutation(len(ds))
+    order = np.random.default_rng([seed, _SPLIT_STREAM]).permutation(len(ds))
     return (
         ds.subset(order[:n_train], f"{ds.name}[train]"),
         ds.subset(order[n_train : n_train + n_test], f"{ds.name}[held-out]"),
@@ -548,7 +553,7 @@ class ShardPlan:
         self._check_shard(shard)
         if epoch < 0:
             raise DatasetError(f"epoch must be >= 0, got {epoch}")
-        order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        order = np.random.default_rng([self.seed, _SHARD_STREAM, epoch]).permutation(self.n)
         lo, hi = shard * self.n // self.n_shards, (shard + 1) * self.n // self.n_shards
         return order[lo:hi].astype(np.int64)
 
