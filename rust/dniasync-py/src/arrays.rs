@@ -33,7 +33,15 @@ fn checked<'a, 'py, T: Element>(
             "{what} must be C-contiguous (numpy.ascontiguousarray makes a contiguous copy)"
         )));
     }
-    Ok(obj.cast::<PyArrayDyn<T>>()?)
+    let typed = obj.cast::<PyArrayDyn<T>>()?;
+    // A slice of T must be aligned; byte buffers from the network may not be.
+    if (typed.data() as usize) % std::mem::align_of::<T>() != 0 {
+        return Err(PyValueError::new_err(format!(
+            "{what} is not aligned to {} bytes (copy it: numpy.array(a))",
+            std::mem::align_of::<T>()
+        )));
+    }
+    Ok(typed)
 }
 
 /// A read-only borrow of a contiguous array of `T` (any shape, read flat).

@@ -1,0 +1,250 @@
+"""Swappable gradient codecs: one interface over the Rust quantizers in ``dniasync._core``.
+
+Every codec turns a float32 gradient into a :class:`CompressedTensor` (raw bytes plus the
+codec name and shape) with :meth:`Codec.compress`, back into a dense array with
+:meth:`Codec.extract`, or straight into a :class:`~dniasync._core.ParamStore` optimizer step
+with :meth:`Codec.apply` (no dense intermediate). :meth:`Codec.estimate_compression_ratio`
+says how many times smaller than float32 the payloads are, so callers can pick a codec.
+
+Codecs with memory (``threshold``'s residual, ``onebit``'s carried error) belong to one
+sender and one stream: make one codec per (tensor, destination). Receivers only need a
+codec of the same kind and parameters to call ``extract`` or ``apply``.
+
+Semantics of ``threshold`` (Strom 2015): each element whose accumulated value reaches
++-tau is sent as +-tau exactly (not +-1), the rest stays in the sender's residual.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from math import prod
+from typing import ClassVar, Literal
+
+import numpy as np
+from numpy.typing import NDArray
+
+from dniasync import _core
+
+__all__ = [
+    "Codec",
+    "CodecName",
+    "CompressedTensor",
+    "Int8Codec",
+    "NoneCodec",
+    "OneBitCodec",
+    "ThresholdCodec",
+    "make_codec",
+]
+
+CodecName = Literal["none", "threshold", "onebit", "int8"]
+
+
+@dataclass(frozen=True, slots=True)
+class CompressedTensor:
+    """A codec's payload and what a receiver needs to read it."""
+
+    codec: str
+    shape: tuple[int, ...]
+    payload: NDArray[np.uint8]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.payload.nbytes)
+
+
+def _aligned_view(payload: NDArray[np.uint8], dtype: type[np.generic]) -> NDArray[np.generic]:
+    """Reinterpret bytes as ``dtype``, copying only when the buffer is misaligned."""
+    itemsize = np.dtype(dtype).itemsize
+    if payload.nbytes % itemsize:
+        raise ValueError(f"payload of {payload.nbytes} bytes is not a whole number of {dtype.__name__}")
+    flat = np.ascontiguousarray(payload).reshape(-1)
+    if flat.ctypes.data % itemsize:
+        flat = flat.copy()
+    return flat.view(dtype)
+
+
+class Codec(ABC):
+    """Compresses gradients of one fixed shape."""
+
+    name: ClassVar[str]
+
+    def __init__(self, shape: int | tuple[int, ...]) -> None:
+        self.shape: tuple[int, ...] = (shape,) if isinstance(shape, int) else tuple(shape)
+        self.n: int = prod(self.shape)
+
+    @abstractmethod
+    def compress(self, grad: NDArray[np.float32]) -> CompressedTensor:
+        """Encode ``grad`` (float32, C-contiguous, ``n`` elements), updating codec state."""
+
+    @abstractmethod
+    def extract(self, compressed: CompressedTensor) -> NDArray[np.float32]:
+        """Decode into a new dense float32 array of ``shape``."""
+
+    @abstractmethod
+    def apply(
+        self, store: _core.ParamStore, segment: str, compressed: CompressedTensor, lr: float
+    ) -> int:
+        """One optimizer step of ``store[segment]`` with the decoded gradient; the new version."""
+
+    @abstractmethod
+    def estimate_compression_ratio(self) -> float:
+        """Expected float32 bytes over payload bytes."""
+
+    def _check(self, compressed: CompressedTensor) -> NDArray[np.uint8]:
+        if compressed.codec != self.name:
+            raise ValueError(f"payload was made by codec {compressed.codec!r}, not {self.name!r}")
+        if compressed.shape != self.shape:
+            raise ValueError(f"payload has shape {compressed.shape}, codec expects {self.shape}")
+        return compressed.payload
+
+    def _wrap(self, payload: NDArray[np.uint8]) -> CompressedTensor:
+        return CompressedTensor(self.name, self.shape, payload)
+
+
+class NoneCodec(Codec):
+    """Identity: the float32 bytes themselves (ratio 1), for comparison and small tensors."""
+
+    name = "none"
+
+    def compress(self, grad: NDArray[np.float32]) -> CompressedTensor:
+        if not isinstance(grad, np.ndarray) or grad.dtype != np.float32:
+            raise TypeError(f"grad must be a numpy.ndarray of float32, got {getattr(grad, 'dtype', type(grad))}")
+        if not grad.flags.c_contiguous:
+            raise ValueError("grad must be C-contiguous (numpy.ascontiguousarray makes a contiguous copy)")
+        if grad.size != self.n:
+            raise ValueError(f"gradient: expected {self.n} elements, got {grad.size}")
+        return self._wrap(grad.reshape(-1).copy().view(np.uint8))
+
+    def extract(self, compressed: CompressedTensor) -> NDArray[np.float32]:
+        values = _aligned_view(self._check(compressed), np.float32)
+        return np.array(values, dtype=np.float32).reshape(self.shape)
+
+    def apply(
+        self, store: _core.ParamStore, segment: str, compressed: CompressedTensor, lr: float
+    ) -> int:
+        values = _aligned_view(self._check(compressed), np.float32)
+        return store.step(segment, values.astype(np.float32, copy=False), lr)
+
+    def estimate_compression_ratio(self) -> float:
+        return 1.0
+
+
+class ThresholdCodec(Codec):
+    """Strom threshold quantization: +-tau per element that crossed it, residual kept here.
+
+    The payload is the packed uint32 codes (bit 31 sign, 31-bit index). Its size depends on
+    the data; ``estimate_compression_ratio`` reports the last payload's ratio, or
+    ``1 / expected_density`` before the first one.
+    """
+
+    name = "threshold"
+
+    def __init__(
+        self, shape: int | tuple[int, ...], tau: float, expected_density: float = 0.01
+    ) -> None:
+        super().__init__(shape)
+        if not 0.0 < expected_density <= 1.0:
+            raise ValueError(f"expected_density must be in (0, 1], got {expected_density}")
+        self._core = _core.ThresholdCodec(self.n, tau)
+        self._ratio = 1.0 / expected_density
+
+    @property
+    def tau(self) -> float:
+        return self._core.tau
+
+    def residual(self) -> NDArray[np.float32]:
+        return self._core.residual().reshape(self.shape)
+
+    def compress(self, grad: NDArray[np.float32]) -> CompressedTensor:
+        codes = self._core.encode(grad)
+        self._ratio = self._core.compression_ratio(codes)
+        return self._wrap(codes.view(np.uint8))
+
+    def _codes(self, compressed: CompressedTensor) -> NDArray[np.uint32]:
+        codes: NDArray[np.uint32] = _aligned_view(self._check(compressed), np.uint32).astype(
+            np.uint32, copy=False
+        )
+        return codes
+
+    def extract(self, compressed: CompressedTensor) -> NDArray[np.float32]:
+        return self._core.decode(self._codes(compressed)).reshape(self.shape)
+
+    def apply(
+        self, store: _core.ParamStore, segment: str, compressed: CompressedTensor, lr: float
+    ) -> int:
+        return self._core.apply(store, segment, self._codes(compressed), lr)
+
+    def estimate_compression_ratio(self) -> float:
+        return self._ratio
+
+
+class OneBitCodec(Codec):
+    """1-bit SGD with error feedback (sign bit per element, two means per block)."""
+
+    name = "onebit"
+
+    def __init__(self, shape: int | tuple[int, ...], block: int = 256) -> None:
+        super().__init__(shape)
+        self._core = _core.OneBitCodec(self.n, block)
+
+    def error(self) -> NDArray[np.float32]:
+        return self._core.error().reshape(self.shape)
+
+    def compress(self, grad: NDArray[np.float32]) -> CompressedTensor:
+        return self._wrap(self._core.encode(grad))
+
+    def extract(self, compressed: CompressedTensor) -> NDArray[np.float32]:
+        return self._core.decode(self._check(compressed)).reshape(self.shape)
+
+    def apply(
+        self, store: _core.ParamStore, segment: str, compressed: CompressedTensor, lr: float
+    ) -> int:
+        return self._core.apply(store, segment, self._check(compressed), lr)
+
+    def estimate_compression_ratio(self) -> float:
+        return self._core.compression_ratio()
+
+
+class Int8Codec(Codec):
+    """8-bit blockwise quantization with a float32 scale per block (stateless)."""
+
+    name = "int8"
+
+    def __init__(self, shape: int | tuple[int, ...], block: int = 256) -> None:
+        super().__init__(shape)
+        self._core = _core.Int8Codec(self.n, block)
+
+    def compress(self, grad: NDArray[np.float32]) -> CompressedTensor:
+        return self._wrap(self._core.encode(grad))
+
+    def extract(self, compressed: CompressedTensor) -> NDArray[np.float32]:
+        return self._core.decode(self._check(compressed)).reshape(self.shape)
+
+    def apply(
+        self, store: _core.ParamStore, segment: str, compressed: CompressedTensor, lr: float
+    ) -> int:
+        return self._core.apply(store, segment, self._check(compressed), lr)
+
+    def estimate_compression_ratio(self) -> float:
+        return self._core.compression_ratio()
+
+
+def make_codec(
+    name: CodecName,
+    shape: int | tuple[int, ...],
+    *,
+    tau: float = 1e-3,
+    block: int = 256,
+    expected_density: float = 0.01,
+) -> Codec:
+    """The codec called ``name`` for gradients of ``shape`` (options apply where they mean something)."""
+    if name == "none":
+        return NoneCodec(shape)
+    if name == "threshold":
+        return ThresholdCodec(shape, tau, expected_density)
+    if name == "onebit":
+        return OneBitCodec(shape, block)
+    if name == "int8":
+        return Int8Codec(shape, block)
+    raise ValueError(f"unknown codec {name!r}: expected none, threshold, onebit or int8")
