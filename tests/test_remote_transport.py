@@ -1,0 +1,185 @@
+"""Two nodes in one process over real loopback sockets: semantics of remote refs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from dniasync import Actor, ActorNotFound, ActorRef, ActorSystem, ActorUnreachable, handler, message
+from dniasync.remote import DecodeError, RemoteError, RemoteSettings, WebSocketTransport
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@message("test.transport.Note")
+@dataclass(frozen=True)
+class Note:
+    seq: int
+    blob: np.ndarray | None = None
+
+
+@message("test.transport.Read")
+@dataclass(frozen=True)
+class Read:
+    pass
+
+
+@message("test.transport.Boom")
+@dataclass(frozen=True)
+class Boom:
+    text: str
+
+
+@message("test.transport.Grad")
+@dataclass(frozen=True)
+class Grad:
+    values: torch.Tensor
+    sender: ActorRef
+
+
+class Recorder(Actor):
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    @handler
+    def note(self, msg: Note) -> None:
+        self.seen.append(msg.seq)
+
+    @handler
+    def read(self, msg: Read) -> list[int]:
+        return self.seen
+
+    @handler
+    def boom(self, msg: Boom) -> None:
+        raise ValueError(msg.text)
+
+    @handler
+    def grad(self, msg: Grad) -> tuple[torch.Tensor, ActorRef]:
+        return msg.values * 2, msg.sender
+
+
+class Unsendable:
+    pass
+
+
+class Sloppy(Actor):
+    @handler
+    def read(self, msg: Read) -> Unsendable:
+        return Unsendable()
+
+
+@asynccontextmanager
+async def two_nodes(**settings: float) -> AsyncIterator[tuple[WebSocketTransport, WebSocketTransport]]:
+    config = RemoteSettings(**settings)  # type: ignore[arg-type]
+    async with AsyncExitStack() as stack:
+        nodes = []
+        for _ in range(2):
+            system = await stack.enter_async_context(ActorSystem())
+            nodes.append(await stack.enter_async_context(WebSocketTransport(system, settings=config)))
+        yield nodes[0], nodes[1]
+
+
+async def test_tells_and_asks_between_two_actors_keep_their_order_around_big_tensors() -> None:
+    async with two_nodes() as (a, b):
+        await b.system.spawn(Recorder, name="rec", mailbox_size=8)  # small: forces the overflow path
+        rec = a.system.ref(f"rec@{b.address}")
+        big = np.ones(3_000_000, dtype=np.float32)  # 12 MB: streamed in parts
+        for seq in range(200):
+            await rec.tell(Note(seq, big if seq % 50 == 7 else None))
+            if seq % 20 == 0:
+                rec.tell_nowait(Note(-1))
+        seen = await rec.ask(Read(), timeout=10)
+        assert [s for s in seen if s >= 0] == list(range(200))
+
+
+async def test_small_messages_overtake_a_big_one_in_flight() -> None:
+    async with two_nodes() as (a, b):
+        await b.system.spawn(Recorder, name="rec")
+        rec = a.system.ref(f"rec@{b.address}")
+        big = asyncio.create_task(rec.tell(Note(0, np.ones(32 << 20, dtype=np.uint8))))
+        await asyncio.sleep(0)  # the big tell has started writing its parts
+        await rec.tell(Note(1))
+        await big
+        seen = await rec.ask(Read(), timeout=10)
+        assert seen == [1, 0], "the small tell waited behind the 32 MiB one"
+
+
+async def test_tensors_and_refs_round_trip_through_an_ask() -> None:
+    async with two_nodes() as (a, b):
+        await b.system.spawn(Recorder, name="rec")
+        me = await a.system.spawn(Recorder, name="me")
+        doubled, sender = await a.system.ref(f"rec@{b.address}").ask(Grad(torch.arange(4.0), me), timeout=5)
+        assert torch.equal(doubled, torch.tensor([0.0, 2.0, 4.0, 6.0]))
+        assert sender == me and sender.is_alive  # a ref to a local actor resolves to it
+
+
+async def test_remote_failures_come_back_as_typed_errors() -> None:
+    async with two_nodes() as (a, b):
+        await b.system.spawn(Recorder, name="rec")
+        await b.system.spawn(Sloppy, name="sloppy")
+        with pytest.raises(RemoteError) as info:
+            await a.system.ref(f"rec@{b.address}").ask(Boom("lr too high"), timeout=5)
+        assert info.value.remote_type == "ValueError" and "lr too high" in str(info.value)
+        with pytest.raises(ActorNotFound):
+            await a.system.ref(f"nobody@{b.address}").ask(Read(), timeout=5)
+        with pytest.raises(RemoteError, match="TypeError"):
+            await a.system.ref(f"sloppy@{b.address}").ask(Read(), timeout=5)
+        with pytest.raises(TypeError, match="not a registered message"):
+            await a.system.ref(f"rec@{b.address}").ask(Unsendable(), timeout=5)
+
+
+async def test_message_with_wrong_field_types_gets_a_decode_error_and_the_connection_survives() -> None:
+    async with two_nodes() as (a, b):
+        await b.system.spawn(Recorder, name="rec")
+        rec = a.system.ref(f"rec@{b.address}")
+        with pytest.raises(DecodeError, match="test.transport.Note.seq"):
+            await rec.ask(Note("seven"), timeout=5)  # type: ignore[arg-type]
+        assert b.counters.decode_errors == 1
+        await rec.tell(Note(3))
+        assert await rec.ask(Read(), timeout=5) == [3]
+
+
+async def test_down_peer_fails_asks_at_once_and_counts_dropped_tells() -> None:
+    async with two_nodes(heartbeat_s=0.1, detect_s=0.5, backoff_max_s=0.5) as (a, b):
+        await b.system.spawn(Recorder, name="rec")
+        rec = a.system.ref(f"rec@{b.address}")
+        await rec.ask(Read(), timeout=5)
+        events: list[tuple[str, bool]] = []
+        a.add_peer_listener(lambda node, up, why: events.append((node, up)))
+        await b.close()
+        for _ in range(50):
+            if not rec.is_alive:
+                break
+            await asyncio.sleep(0.05)
+        with pytest.raises(ActorUnreachable):
+            await rec.ask(Read(), timeout=30)
+        await rec.tell(Note(1))
+        rec.tell_nowait(Note(2))
+        assert a.counters.dropped_tells == 2
+        assert events == [(b.address, False)]
+        assert a.peer_states()[b.address] == "down"
+
+
+async def test_nodes_dialing_each_other_at_once_settle_on_one_connection() -> None:
+    async with two_nodes() as (a, b):
+        await a.system.spawn(Recorder, name="rec")
+        await b.system.spawn(Recorder, name="rec")
+        to_b, to_a = a.system.ref(f"rec@{b.address}"), b.system.ref(f"rec@{a.address}")
+        for seq in range(20):
+            await asyncio.gather(to_b.tell(Note(seq)), to_a.tell(Note(seq)))
+        assert await to_b.ask(Read(), timeout=5) == list(range(20))
+        assert await to_a.ask(Read(), timeout=5) == list(range(20))
+        await asyncio.sleep(1.2)  # the losing connection is retired after a grace period
+        assert a.peer_states() == {b.address: "up"} and b.peer_states() == {a.address: "up"}
+        assert len(a._connections) == 1 and len(b._connections) == 1
+
+
+def test_refuses_to_listen_beyond_loopback_without_a_token() -> None:
+    with pytest.raises(ValueError, match="without a cluster token"):
+        WebSocketTransport(ActorSystem(), "0.0.0.0:0")
