@@ -571,7 +571,7 @@ def parse_config(raw: Mapping[str, Any], *, resolve: bool = True) -> Config:
     and counts the data set's examples, to check shard counts and split sizes
     against them; without, only the config's own consistency is checked.
     """
-    known = (*_SECTIONS, *MODES)
+    known = (*_SECTIONS, *MODES, "node")  # [node] belongs to the node CLI (listen, token, ...)
     for name in raw:
         if name not in known:
             raise ConfigError(_unknown(name, name, known).replace("key", "section", 1), name)

@@ -1,0 +1,160 @@
+"""Parameter-server shard: one contiguous slice of the model, updated asynchronously.
+
+As in Downpour (Dean et al. 2012) each shard applies pushes on arrival with
+its own optimizer (Adagrad by default), in place in a Rust ``ParamStore``,
+and answers pulls with its parameters and their version. Quantized pushes
+are applied straight into the store, never expanded into a dense buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import _core
+from ..actors import Actor, handler
+from .compression import Codec, CompressedTensor, make_codec
+from .messages import Fence, Params, Pull, Push, ShardStats
+from .staleness import PushLedger, PushVerdict, StalenessPolicy
+
+__all__ = ["PSShard", "ShardSettings", "make_store", "SEGMENT"]
+
+log = logging.getLogger("dniasync.train.ps")
+
+SEGMENT = "shard"
+STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
+"""Upper bounds of the staleness histogram kept per shard (the last bucket is open)."""
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    """How a shard updates: optimizer, lr, staleness policy and the codec it accepts."""
+
+    optimizer: str = "adagrad"
+    lr: float = 0.01
+    momentum: float = 0.9
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float | None = None
+    weight_decay: float = 0.0
+    staleness: StalenessPolicy = field(default_factory=StalenessPolicy)
+    codec: str = "none"
+    tau: float = 1e-3
+    block: int = 256
+
+
+def make_store(settings: ShardSettings, n: int, segment: str = SEGMENT, shm_name: str | None = None) -> _core.ParamStore:
+    """A one-segment store with the shard's optimizer."""
+    return _core.ParamStore(
+        [(segment, n)],
+        settings.optimizer,  # type: ignore[arg-type]  # validated by the job config
+        momentum=settings.momentum,
+        beta1=settings.betas[0],
+        beta2=settings.betas[1],
+        eps=settings.eps,
+        weight_decay=settings.weight_decay,
+        shm_name=shm_name,
+    )
+
+
+class PSShard(Actor):
+    """Owns parameters ``[offset, offset + len(values))`` of the flat model vector."""
+
+    mailbox_size = 256
+
+    def __init__(self, shard: int, values: np.ndarray, settings: ShardSettings) -> None:
+        self.shard = shard
+        self.settings = settings
+        self.n = int(values.size)
+        self.store = make_store(settings, self.n)
+        self.store.write(SEGMENT, np.ascontiguousarray(values, dtype=np.float32).reshape(-1))
+        self.codecs: dict[str, Codec] = {"none": make_codec("none", self.n)}
+        if settings.codec != "none":
+            self.codecs[settings.codec] = make_codec(
+                settings.codec, self.n, tau=settings.tau, block=settings.block  # type: ignore[arg-type]
+            )
+        self.ledger = PushLedger()
+        self.fenced: set[str] = set()
+        self.applied = 0
+        self.rejected: dict[str, int] = {"stale": 0, "duplicate": 0, "zombie": 0, "nonfinite": 0, "bad_payload": 0}
+        self.staleness_counts = [0] * (len(STALENESS_BUCKETS) + 1)
+        self.staleness_sum = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.samples = 0
+
+    @property
+    def version(self) -> int:
+        return self.store.version(SEGMENT)
+
+    @handler
+    def push(self, msg: Push) -> None:
+        self.bytes_in += int(msg.payload.nbytes)
+        if msg.replica in self.fenced:
+            self.rejected["zombie"] += 1
+            return
+        verdict = self.ledger.check(msg.replica, msg.incarnation, msg.seq)
+        if verdict is not PushVerdict.NEW:
+            self.rejected[verdict.value] += 1
+            return
+        self.ledger.record(msg.replica, msg.incarnation, msg.seq)
+        version = self.version
+        decision = self.settings.staleness.decide(self.settings.lr, version, min(msg.version, version))
+        self._observe_staleness(decision.staleness)
+        if not decision.apply:
+            self.rejected["stale"] += 1
+            return
+        codec = self.codecs.get(msg.codec)
+        if codec is None:
+            self.rejected["bad_payload"] += 1
+            log.warning("shard %d: push from %s with codec %r, expected %r", self.shard, msg.replica, msg.codec,
+                        self.settings.codec)
+            return
+        payload = np.ascontiguousarray(msg.payload, dtype=np.uint8).reshape(-1)
+        try:
+            codec.apply(self.store, SEGMENT, CompressedTensor(msg.codec, (self.n,), payload), decision.lr)
+        except _core.NonFiniteGradientError:
+            self.rejected["nonfinite"] += 1
+            return
+        except (ValueError, TypeError) as exc:
+            self.rejected["bad_payload"] += 1
+            log.warning("shard %d: bad push from %s: %s", self.shard, msg.replica, exc)
+            return
+        self.applied += 1
+        self.samples += msg.samples
+
+    def _observe_staleness(self, staleness: int) -> None:
+        self.staleness_sum += staleness
+        for i, bound in enumerate(STALENESS_BUCKETS):
+            if staleness <= bound:
+                self.staleness_counts[i] += 1
+                return
+        self.staleness_counts[-1] += 1
+
+    @handler
+    def pull(self, msg: Pull) -> Params:
+        out = np.empty(self.n, dtype=np.float32)
+        version = self.store.read_into(SEGMENT, out)
+        self.bytes_out += int(out.nbytes)
+        return Params(self.shard, version, out)
+
+    @handler
+    def fence(self, msg: Fence) -> None:
+        self.fenced.add(msg.replica)
+
+    @handler
+    def stats(self, msg: ShardStats) -> dict[str, Any]:
+        return {
+            "shard": self.shard,
+            "version": self.version,
+            "applied": self.applied,
+            "samples": self.samples,
+            "rejected": dict(self.rejected),
+            "staleness_buckets": list(STALENESS_BUCKETS),
+            "staleness_counts": list(self.staleness_counts),
+            "staleness_sum": self.staleness_sum,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+        }
