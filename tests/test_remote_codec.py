@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pathlib
-import struct
 from typing import Any
 
 import msgpack
@@ -106,9 +105,9 @@ def test_big_tensor_is_streamed_in_parts_and_arrives_whole() -> None:
 
 
 def test_parts_of_two_streams_interleave() -> None:
-    a, b = wire(OP_TELL, envelope(3 * 300_000)), wire(OP_TELL, envelope(3 * 200_000))
-    b = [m.replace(struct.pack("<I", 9), struct.pack("<I", 10), 1) if i else m for i, m in enumerate(b)]
-    b[0] = b[0][: FRAME_PREFIX.size - 4] + struct.pack("<I", 10) + b[0][FRAME_PREFIX.size :]
+    part = Limits().part_bytes
+    a = list(encode(OP_TELL, "t", 0, envelope(3 * 300_000)).messages(OP_TELL, 9, part))
+    b = list(encode(OP_TELL, "t", 0, envelope(3 * 200_000)).messages(OP_TELL, 10, part))
     decoder = Decoder(resolve)
     out = []
     for i in range(max(len(a), len(b))):
@@ -117,7 +116,7 @@ def test_parts_of_two_streams_interleave() -> None:
                 frame = decoder.feed(stream[i])
                 if frame is not None:
                     out.append(frame.value.weights.size)
-    assert sorted(out) == [600_000, 900_000]
+    assert out == [600_000, 900_000]
 
 
 def test_bfloat16_and_scalar_and_empty_tensors() -> None:
@@ -137,53 +136,68 @@ def test_unregistered_message_or_gpu_tensor_is_refused_at_the_sender() -> None:
         encode(OP_REPLY, "t", 0, {"x": Plain()})
 
 
+def raw_frame(op: int, header: list[Any], payload: bytes = b"", flags: int = 0, announce: int | None = None) -> bytes:
+    packed = msgpack.packb(header)
+    length = len(payload) if announce is None else announce
+    return FRAME_PREFIX.pack(VERSION, op, flags, len(packed), 4, length) + packed + payload
+
+
+def tensor_ext(desc: list[Any]) -> msgpack.ExtType:
+    return msgpack.ExtType(2, msgpack.packb(desc))
+
+
 def test_unknown_tag_is_a_clear_non_fatal_error() -> None:
-    header = msgpack.packb(["no.such.Tag", "target", None, 3, [], msgpack.packb([1])])
-    frame = Decoder(resolve).feed(FRAME_PREFIX.pack(VERSION, OP_ASK, 0, len(header), 0) + header)
+    frame = Decoder(resolve).feed(raw_frame(OP_ASK, ["no.such.Tag", "target", None, 3, [1]]))
     assert frame is not None and frame.value is None and frame.corr == 3
     assert frame.error is not None and not frame.error.fatal and "unknown message tag" in str(frame.error)
 
 
 def test_wrong_field_type_is_rejected_with_the_field_name() -> None:
-    header = msgpack.packb(["test.codec.Point", "target", None, 3, [], msgpack.packb(["one", 2.0])])
-    frame = Decoder(resolve).feed(FRAME_PREFIX.pack(VERSION, OP_TELL, 0, len(header), 0) + header)
+    frame = Decoder(resolve).feed(raw_frame(OP_TELL, ["test.codec.Point", "target", None, 3, ["one", 2.0]]))
     assert frame is not None and frame.error is not None
     assert "test.codec.Point.x" in str(frame.error) and "expected float" in str(frame.error)
-
-
-def _frame_with_tensor(desc: list[Any], payload: bytes, flags: int = 0) -> bytes:
-    body = msgpack.packb([msgpack.ExtType(2, (0).to_bytes(4, "little"))])
-    header = msgpack.packb([None, "", None, 1, [desc], body])
-    return FRAME_PREFIX.pack(VERSION, OP_REPLY, flags, len(header), 4) + header + payload
 
 
 @pytest.mark.parametrize(
     ("desc", "payload", "match"),
     [
-        (["float32", [4], 15, 0], bytes(64), "nbytes"),
-        (["float32", [4], 16, 0], bytes(10), "truncated"),
-        (["float32", [4], 16, 0], bytes(200), "truncated"),
-        (["object", [1], 8, 0], bytes(64), "dtype"),
-        (["float32", [-1], -4, 0], b"", "dimension"),
-        (["float32", [1 << 60], 1 << 62, 0], b"", "limit"),
-        (["bfloat16", [2], 4, 0], bytes(64), "only valid for torch"),
+        (["float32", [4], 15, 0, 0], bytes(64), "nbytes"),
+        (["object", [1], 8, 0, 0], bytes(64), "dtype"),
+        (["float32", [-1], -4, 0, 0], b"", "dimension"),
+        (["bfloat16", [2], 4, 0, 0], bytes(64), "only valid for torch"),
+        (["float32", [4], 16, 0, 64], bytes(128), "offset"),
+        (["float32", [100], 400, 0, 0], bytes(64), "needs payload bytes"),
+        (["float32", [4], 16, 0, 0], bytes(128), "cover"),
+        (["float32", [4], 16, 9, 0], bytes(64), "kind"),
     ],
 )
-def test_bad_tensor_descriptors_are_fatal(desc: list[Any], payload: bytes, match: str) -> None:
+def test_bad_tensor_descriptors_lose_only_their_message(desc: list[Any], payload: bytes, match: str) -> None:
+    frame = Decoder(resolve).feed(raw_frame(OP_ASK, ["test.codec.Point", "", None, 5, [tensor_ext(desc), 1.0]], payload))
+    assert frame is not None and frame.corr == 5 and frame.error is not None
+    assert match in str(frame.error) and not frame.error.fatal
+
+
+@pytest.mark.parametrize(
+    ("payload", "announce", "match"),
+    [(bytes(10), 64, "truncated"), (bytes(200), 64, "truncated"), (b"", 1 << 62, "exceeds the limit")],
+)
+def test_frames_announcing_other_sizes_than_they_carry_are_fatal(payload: bytes, announce: int, match: str) -> None:
+    data = raw_frame(OP_REPLY, [None, "", None, 1, tensor_ext(["uint8", [64], 64, 0, 0])], payload, announce=announce)
     with pytest.raises(DecodeError, match=match) as info:
-        Decoder(resolve).feed(_frame_with_tensor(desc, payload))
+        Decoder(resolve).feed(data)
     assert info.value.fatal
 
 
 def test_stream_announcing_more_than_the_limit_is_refused_before_allocating() -> None:
     limits = Limits(max_message_bytes=1 << 20)
+    data = raw_frame(OP_REPLY, [None, "", None, 1, None], flags=1, announce=1 << 40)
     with pytest.raises(DecodeError, match="limit"):
-        Decoder(resolve, limits).feed(_frame_with_tensor(["uint8", [1 << 40], 1 << 40, 0], b"", flags=1))
+        Decoder(resolve, limits).feed(data)
 
 
 def test_parts_beyond_the_announced_size_or_of_unknown_streams_are_fatal() -> None:
     decoder = Decoder(resolve)
-    assert decoder.feed(_frame_with_tensor(["uint8", [1000], 1000, 0], b"", flags=1)) is None
+    assert decoder.feed(raw_frame(OP_REPLY, [None, "", None, 1, None], flags=1, announce=1024)) is None
     assert decoder.pending_bytes == 1024
     with pytest.raises(DecodeError, match="more bytes"):
         decoder.feed(PART_PREFIX.pack(VERSION, 6, 0, 4) + bytes(2000))
@@ -195,11 +209,13 @@ def test_parts_beyond_the_announced_size_or_of_unknown_streams_are_fatal() -> No
     ("data", "match"),
     [
         (b"", "shorter"),
-        (bytes([9, 1]) + bytes(20), "version"),
-        (bytes([VERSION, 42]) + bytes(20), "op"),
-        (FRAME_PREFIX.pack(VERSION, OP_TELL, 0, 1 << 31, 0), "exceeds"),
-        (FRAME_PREFIX.pack(VERSION, OP_TELL, 0, 500, 0) + b"\x93", "truncated"),
-        (FRAME_PREFIX.pack(VERSION, OP_TELL, 0, 1, 0) + b"\xc1", "malformed header"),
+        (bytes([9, 1]) + bytes(30), "version"),
+        (bytes([VERSION, 42]) + bytes(30), "op"),
+        (FRAME_PREFIX.pack(VERSION, OP_TELL, 0, 1 << 31, 0, 0), "exceeds"),
+        (FRAME_PREFIX.pack(VERSION, OP_TELL, 0, 500, 0, 0) + b"\x93", "truncated"),
+        (FRAME_PREFIX.pack(VERSION, OP_TELL, 0, 1, 0, 0) + b"\xc1", "malformed header"),
+        (raw_frame(OP_TELL, ["x", "t", None, -1, []]), "correlation"),
+        (raw_frame(OP_TELL, ["x", 5, None, 1, []]), "target"),
     ],
 )
 def test_malformed_frames_are_fatal_decode_errors(data: bytes, match: str) -> None:
@@ -208,14 +224,11 @@ def test_malformed_frames_are_fatal_decode_errors(data: bytes, match: str) -> No
 
 
 def test_deeply_nested_messages_are_refused() -> None:
-    inner: Any = msgpack.packb([1.0, 2.0])
     ext = msgpack.ExtType(3, msgpack.packb(["test.codec.Point", [1.0, 2.0]]))
     for _ in range(40):
         ext = msgpack.ExtType(3, msgpack.packb(["test.codec.Point", [ext, 1.0]]))
-    header = msgpack.packb([None, "", None, 1, [], msgpack.packb(ext)])
-    frame = Decoder(resolve).feed(FRAME_PREFIX.pack(VERSION, OP_REPLY, 0, len(header), 0) + header)
+    frame = Decoder(resolve).feed(raw_frame(OP_REPLY, [None, "", None, 1, ext]))
     assert frame is not None and frame.error is not None and "nested" in str(frame.error)
-    del inner
 
 
 def test_remote_errors_travel_as_type_name_and_text() -> None:

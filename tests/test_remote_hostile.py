@@ -73,9 +73,9 @@ def closed_within(sock: socket.socket, seconds: float) -> float:
 
 
 def dniasync_frame_announcing(nbytes: int) -> bytes:
-    body = msgpack.packb([msgpack.ExtType(2, (0).to_bytes(4, "little"))])
-    header = msgpack.packb(["dniasync.demo.Tensor", "echo", None, 0, [["uint8", [nbytes], nbytes, 0]], body])
-    return FRAME_PREFIX.pack(VERSION, OP_TELL, 1, len(header), 1) + header
+    """A streamed dniasync frame whose prefix announces ``nbytes`` of tensor payload."""
+    header = msgpack.packb(["dniasync.demo.Tensor", "echo", None, 0, [None]])
+    return FRAME_PREFIX.pack(VERSION, OP_TELL, 1, len(header), 1, nbytes) + header
 
 
 ATTACKS: dict[str, Callable[[str], socket.socket]] = {}

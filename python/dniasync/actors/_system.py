@@ -240,12 +240,15 @@ class ActorSystem:
             return
         await asyncio.shield(cell.done)
 
-    def deliver(self, name: str, msg: Any, reply: asyncio.Future[Any] | None) -> bool:
+    def deliver(self, name: str, msg: Any, reply: Any) -> bool:
         """Enqueue ``msg`` for the local actor ``name`` without waiting; for transports.
 
         Keeps arrival order, which a task per message would not. ``reply``
-        (for an ask) gets the handler's result or error. False if the mailbox
-        is full (then :meth:`deliver_wait`); ``ActorNotFound``/``ActorStopped``.
+        (for an ask) gets the handler's result or error: an ``asyncio.Future``
+        or any object with ``done``, ``set_result``, ``set_exception`` and
+        ``cancel`` (a transport writes the reply from there, without a loop
+        round trip). False if the mailbox is full (then :meth:`deliver_wait`);
+        ``ActorNotFound``/``ActorStopped``.
         """
         cell = self._cells.get(name)
         if cell is None:
@@ -254,7 +257,7 @@ class ActorSystem:
             raise ActorStopped(cell.address)
         return cell.mailbox.try_put((msg, reply))
 
-    async def deliver_wait(self, name: str, msg: Any, reply: asyncio.Future[Any] | None) -> None:
+    async def deliver_wait(self, name: str, msg: Any, reply: Any) -> None:
         """Like :meth:`deliver`, waiting while the mailbox is full."""
         cell = self._cells.get(name)
         if cell is None:

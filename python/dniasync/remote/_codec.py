@@ -2,20 +2,22 @@
 
 A frame is one websocket binary message::
 
-    prefix  <BBHII  version, op, flags, header length, stream id
-    header  msgpack [tag, target, sender, corr, tensors, body]
-            tensors: [[dtype, shape, nbytes, kind], ...]; body: msgpack bytes
-    payload the tensors' raw bytes, each padded to 64 bytes
+    prefix   <BBHIIQ  version, op, flags, header length, stream id, payload length
+    header   msgpack [tag, target, sender, corr, body]
+    payload  the tensors' raw bytes, each at a 64-byte aligned offset
+
+``body`` is the message's field values (the reply value, for replies);
+msgpack extension types in it carry what plain msgpack cannot: actor refs
+(as addresses), tensors (``[dtype, shape, nbytes, kind, offset]`` into the
+payload) and nested registered messages (``[tag, [fields...]]``). Decoding
+validates every field against the message class's annotations.
 
 A frame whose payload is larger than one part is *streamed*: the frame
 carries the header only and the payload follows in ``PART`` messages
 (``<BBHI`` version, op, flags, stream id, then bytes), so small frames to
-the same node can go between the parts of a big one.
-
-Inside ``body``, msgpack extension types carry what plain msgpack cannot:
-actor refs (as addresses), tensors (as an index into ``tensors``) and nested
-registered messages (as ``[tag, [fields...]]``). Decoding validates every
-field against the message class's annotations.
+the same node go between the parts of a big one. Since every length is in
+the prefix, a message that fails validation costs only itself; bytes that
+cannot be framed (bad prefix, truncated, oversized) close the connection.
 """
 
 from __future__ import annotations
@@ -54,8 +56,10 @@ OP_TELL, OP_ASK, OP_REPLY, OP_FAIL, OP_PING, OP_PART = 1, 2, 3, 4, 5, 6
 _MESSAGE_OPS: Final = frozenset({OP_TELL, OP_ASK, OP_REPLY, OP_FAIL, OP_PING})
 FLAG_STREAMED: Final = 1
 
-FRAME_PREFIX: Final = struct.Struct("<BBHII")
+FRAME_PREFIX: Final = struct.Struct("<BBHIIQ")
 PART_PREFIX: Final = struct.Struct("<BBHI")
+_pack_prefix = FRAME_PREFIX.pack
+_unpack_prefix = FRAME_PREFIX.unpack_from
 
 _EXT_REF, _EXT_TENSOR, _EXT_MESSAGE = 1, 2, 3
 _ALIGN = 64
@@ -118,16 +122,19 @@ class Encoded:
         self.buffers = buffers
         self.payload_len = payload_len
 
+    def single(self, op: int) -> bytes:
+        """The frame as one websocket message (payload inline, not streamed)."""
+        prefix = _pack_prefix(VERSION, op, 0, len(self.header), 0, self.payload_len)
+        if not self.buffers:
+            return prefix + self.header
+        return b"".join((prefix, self.header, *self.buffers))
+
     def messages(self, op: int, stream_id: int, part_bytes: int) -> Iterator[bytes]:
         """The websocket messages of this frame; ``stream_id`` is used if it is streamed."""
         if self.payload_len <= part_bytes:
-            prefix = FRAME_PREFIX.pack(VERSION, op, 0, len(self.header), 0)
-            if not self.buffers:
-                yield prefix + self.header
-            else:
-                yield b"".join((prefix, self.header, *self.buffers))
+            yield self.single(op)
             return
-        yield FRAME_PREFIX.pack(VERSION, op, FLAG_STREAMED, len(self.header), stream_id) + self.header
+        yield _pack_prefix(VERSION, op, FLAG_STREAMED, len(self.header), stream_id, self.payload_len) + self.header
         part_prefix = PART_PREFIX.pack(VERSION, OP_PART, 0, stream_id)
         chunk: list[memoryview | bytes] = [part_prefix]
         room = part_bytes
@@ -153,10 +160,9 @@ def _torch() -> Any:
 class _Packer:
     """msgpack ``default`` hook: refs, tensors and nested messages."""
 
-    __slots__ = ("descs", "buffers", "size")
+    __slots__ = ("buffers", "size")
 
     def __init__(self) -> None:
-        self.descs: list[list[Any]] = []
         self.buffers: list[memoryview | bytes] = []
         self.size = 0
 
@@ -201,15 +207,15 @@ class _Packer:
         if not array.flags.c_contiguous:
             array = np.ascontiguousarray(array)
         nbytes = array.nbytes
-        index = len(self.descs)
-        self.descs.append([dtype, list(array.shape), nbytes, kind])
+        offset = self.size
         if nbytes:
             self.buffers.append(memoryview(array.data).cast("B") if array.ndim else array.tobytes())
         pad = -nbytes % _ALIGN
         if pad:
             self.buffers.append(_ZEROS[:pad])
         self.size += nbytes + pad
-        return msgpack.ExtType(_EXT_TENSOR, index.to_bytes(4, "little"))
+        desc = msgpack.packb([dtype, list(array.shape), nbytes, kind, offset])
+        return msgpack.ExtType(_EXT_TENSOR, desc)
 
 
 def encode(op: int, target: str, corr: int, value: Any, sender: str | None = None) -> Encoded:
@@ -222,13 +228,10 @@ def encode(op: int, target: str, corr: int, value: Any, sender: str | None = Non
             raise TypeError(
                 f"{type(value).__qualname__} is not a registered message: decorate it with @message('tag')"
             ) from None
-        tag: str | None = spec.tag
-        fields = [getattr(value, name) for name in spec.field_names]
-        body = msgpack.packb(fields, default=packer, use_bin_type=True)
+        body = [getattr(value, name) for name in spec.field_names]
+        header = msgpack.packb([spec.tag, target, sender, corr, body], default=packer, use_bin_type=True)
     else:
-        tag = None
-        body = msgpack.packb(value, default=packer, use_bin_type=True)
-    header = msgpack.packb([tag, target, sender, corr, packer.descs, body], use_bin_type=True)
+        header = msgpack.packb([None, target, sender, corr, value], default=packer, use_bin_type=True)
     return Encoded(header, packer.buffers, packer.size)
 
 
@@ -238,7 +241,7 @@ def encode(op: int, target: str, corr: int, value: Any, sender: str | None = Non
 class _Stream:
     __slots__ = ("op", "header", "buffer", "filled")
 
-    def __init__(self, op: int, header: list[Any], size: int) -> None:
+    def __init__(self, op: int, header: bytes, size: int) -> None:
         self.op = op
         self.header = header
         self.buffer = bytearray(size)
@@ -246,6 +249,7 @@ class _Stream:
 
 
 RefResolver = Callable[[str], ActorRef]
+_EMPTY = bytearray()
 
 
 class Decoder:
@@ -264,43 +268,45 @@ class Decoder:
     def feed(self, data: bytes) -> Frame | None:
         """Decode one websocket message: a frame, or None for a part of one.
 
-        Raises :class:`DecodeError` (``fatal``) when the bytes cannot be trusted.
+        Raises :class:`DecodeError` (``fatal``) when the bytes cannot be framed;
+        a frame whose message is unacceptable comes back with ``error`` set.
         """
-        if len(data) < PART_PREFIX.size:
-            raise DecodeError(f"frame of {len(data)} bytes is shorter than any prefix")
-        version, op = data[0], data[1]
+        size = len(data)
+        if size < FRAME_PREFIX.size:
+            if size >= PART_PREFIX.size and data[0] == VERSION and data[1] == OP_PART:
+                return self._part(data)
+            raise DecodeError(f"frame of {size} bytes is shorter than its prefix")
+        version, op, flags, header_len, stream_id, payload_len = _unpack_prefix(data)
         if version != VERSION:
             raise DecodeError(f"unsupported protocol version {version} (this node speaks {VERSION})")
         if op == OP_PART:
             return self._part(data)
         if op not in _MESSAGE_OPS:
             raise DecodeError(f"unknown frame op {op}")
-        if len(data) < FRAME_PREFIX.size:
-            raise DecodeError("truncated frame prefix")
-        _, _, flags, header_len, stream_id = FRAME_PREFIX.unpack_from(data)
+        limits = self.limits
+        if header_len > limits.max_header_bytes:
+            raise DecodeError(f"header of {header_len} bytes exceeds the limit {limits.max_header_bytes}")
+        if payload_len > limits.max_message_bytes:
+            raise DecodeError(f"payload of {payload_len} bytes exceeds the limit {limits.max_message_bytes}")
         start = FRAME_PREFIX.size
-        if header_len > self.limits.max_header_bytes:
-            raise DecodeError(f"header of {header_len} bytes exceeds the limit {self.limits.max_header_bytes}")
-        if start + header_len > len(data):
-            raise DecodeError(f"truncated frame: header announces {header_len} bytes, {len(data) - start} sent")
-        header = self._header(data[start : start + header_len])
-        total = self._payload_size(header[4])
-        rest = len(data) - start - header_len
+        end = start + header_len
         if flags & FLAG_STREAMED:
-            if rest:
-                raise DecodeError("streamed frame carries payload bytes inline")
-            if total <= 0:
+            if size != end:
+                raise DecodeError(f"streamed frame: header announces {header_len} bytes, {size - start} sent")
+            if payload_len == 0:
                 raise DecodeError("streamed frame without payload")
             if stream_id in self._streams:
                 raise DecodeError(f"stream {stream_id} is already open")
-            if len(self._streams) >= self.limits.max_streams:
-                raise DecodeError(f"more than {self.limits.max_streams} streamed messages at once")
-            self._streams[stream_id] = _Stream(op, header, total)
+            if len(self._streams) >= limits.max_streams:
+                raise DecodeError(f"more than {limits.max_streams} streamed messages at once")
+            self._streams[stream_id] = _Stream(op, data[start:end], payload_len)
             return None
-        if rest != total:
-            raise DecodeError(f"truncated frame: tensors announce {total} payload bytes, {rest} sent")
-        payload = bytearray(memoryview(data)[start + header_len :]) if total else bytearray()
-        return self._finish(op, header, payload)
+        if size != end + payload_len:
+            raise DecodeError(
+                f"truncated frame: prefix announces {header_len} + {payload_len} bytes, {size - start} sent"
+            )
+        payload = bytearray(memoryview(data)[end:]) if payload_len else _EMPTY
+        return self._finish(op, data[start:end], payload)
 
     def _part(self, data: bytes) -> Frame | None:
         _, _, _, stream_id = PART_PREFIX.unpack_from(data)
@@ -310,7 +316,7 @@ class Decoder:
         chunk = memoryview(data)[PART_PREFIX.size :]
         end = stream.filled + len(chunk)
         if end > len(stream.buffer):
-            raise DecodeError(f"stream {stream_id} sent more bytes than its tensors announce")
+            raise DecodeError(f"stream {stream_id} sent more bytes than its prefix announced")
         stream.buffer[stream.filled : end] = chunk
         stream.filled = end
         if end < len(stream.buffer):
@@ -318,138 +324,133 @@ class Decoder:
         del self._streams[stream_id]
         return self._finish(stream.op, stream.header, stream.buffer)
 
-    def _header(self, raw: bytes) -> list[Any]:
+    def _finish(self, op: int, raw: bytes, payload: bytearray) -> Frame:
+        context = _Context(self._resolve_ref, payload, self.limits.max_depth)
         try:
-            header = msgpack.unpackb(raw, use_list=True, raw=False, strict_map_key=True)
+            header = msgpack.unpackb(raw, ext_hook=context.hook, raw=False, strict_map_key=False)
         except Exception as exc:
-            raise DecodeError(f"malformed header: {exc}") from None
-        if not (isinstance(header, list) and len(header) == 6):
-            raise DecodeError("header is not [tag, target, sender, corr, tensors, body]")
-        tag, target, sender, corr, descs, body = header
-        if not (tag is None or isinstance(tag, str)):
-            raise DecodeError("header tag is not a string")
-        if not isinstance(target, str) or not (sender is None or isinstance(sender, str)):
+            raise DecodeError(f"malformed header: {type(exc).__name__}: {exc}") from None
+        if not (type(header) is list and len(header) == 5):
+            raise DecodeError("header is not [tag, target, sender, corr, body]")
+        tag, target, sender, corr, body = header
+        if type(target) is not str or not (sender is None or type(sender) is str):
             raise DecodeError("header target/sender is not a string")
-        if not isinstance(corr, int) or isinstance(corr, bool) or corr < 0:
+        if type(corr) is not int or corr < 0:
             raise DecodeError("header correlation id is not a non-negative integer")
-        if not isinstance(descs, list) or not isinstance(body, bytes):
-            raise DecodeError("header tensors/body have the wrong type")
-        return header
-
-    def _payload_size(self, descs: list[Any]) -> int:
-        total = 0
-        for desc in descs:
-            if not (isinstance(desc, list) and len(desc) == 4):
-                raise DecodeError("tensor descriptor is not [dtype, shape, nbytes, kind]")
-            dtype, shape, nbytes, kind = desc
-            if not isinstance(dtype, str) or (dtype not in _DTYPES and dtype not in _TORCH_ONLY):
-                raise DecodeError(f"unsupported tensor dtype {dtype!r}")
-            if dtype in _TORCH_ONLY and kind != _KIND_TORCH:
-                raise DecodeError(f"dtype {dtype} is only valid for torch tensors")
-            if kind not in (_KIND_NUMPY, _KIND_TORCH):
-                raise DecodeError(f"unknown tensor kind {kind!r}")
-            if not isinstance(shape, list) or len(shape) > _MAX_NDIM:
-                raise DecodeError("tensor shape is not a list of at most 32 dimensions")
-            count = 1
-            for dim in shape:
-                if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
-                    raise DecodeError(f"tensor dimension {dim!r} is not a non-negative integer")
-                count *= dim
-            itemsize = _DTYPES[_TORCH_ONLY.get(dtype, dtype)].itemsize
-            if not isinstance(nbytes, int) or nbytes != count * itemsize:
-                raise DecodeError(f"tensor nbytes {nbytes!r} != {dtype} x {shape} = {count * itemsize}")
-            total += nbytes + (-nbytes % _ALIGN)
-            if total > self.limits.max_message_bytes:
-                raise DecodeError(f"tensor payload exceeds the limit of {self.limits.max_message_bytes} bytes")
-        return total
-
-    def _finish(self, op: int, header: list[Any], payload: bytearray) -> Frame:
-        tag, target, sender, corr, descs, body = header
         try:
-            tensors = _tensors(descs, payload)
-            context = _Context(self._resolve_ref, tensors, self.limits.max_depth)
+            if context.error is not None:
+                raise context.error
+            if context.used != len(payload):
+                raise DecodeError(f"tensors cover {context.used} payload bytes, {len(payload)} were sent")
             if op == OP_TELL or op == OP_ASK:
-                if tag is None:
-                    raise DecodeError("tell/ask frame without a message tag", fatal=False)
-                value = context.message(tag, context.unpack(body))
+                if type(tag) is not str:
+                    raise DecodeError("tell/ask frame without a message tag")
+                value = context.message(tag, body)
             else:
-                value = context.unpack(body)
+                value = body
                 if op == OP_FAIL and not (
-                    isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)
+                    type(value) is list and len(value) == 2 and all(type(v) is str for v in value)
                 ):
-                    raise DecodeError("error frame body is not [type, message]", fatal=False)
+                    raise DecodeError("error frame body is not [type, message]")
         except DecodeError as exc:
             exc.fatal = False  # framing was sound: only this message is lost
             return Frame(op, target, sender, corr, None, exc)
         return Frame(op, target, sender, corr, value)
 
 
-def _tensors(descs: list[list[Any]], payload: bytearray) -> list[Any]:
-    out: list[Any] = []
-    offset = 0
-    for dtype, shape, nbytes, kind in descs:
-        base = _DTYPES[_TORCH_ONLY.get(dtype, dtype)]
-        array = np.frombuffer(payload, dtype=base, count=nbytes // base.itemsize, offset=offset).reshape(shape)
-        offset += nbytes + (-nbytes % _ALIGN)
-        if kind == _KIND_TORCH:
-            import torch
-
-            tensor = torch.from_numpy(array) if array.size else torch.empty(shape, dtype=getattr(torch, base.name))
-            if dtype in _TORCH_ONLY:
-                tensor = tensor.view(getattr(torch, dtype))
-            out.append(tensor)
-        else:
-            out.append(array)
-    return out
-
-
 class _Context:
-    """One body's decoding: its tensors, the ref resolver, the nesting depth."""
+    """One frame's decoding: its payload, the ref resolver, the nesting depth.
 
-    __slots__ = ("resolve_ref", "tensors", "depth", "max_depth", "hook")
+    Errors inside msgpack's extension hook are kept (and a placeholder
+    returned) so the header still yields the correlation id to answer with.
+    """
 
-    def __init__(self, resolve_ref: RefResolver, tensors: list[Any], max_depth: int) -> None:
+    __slots__ = ("resolve_ref", "payload", "used", "depth", "max_depth", "hook", "error")
+
+    def __init__(self, resolve_ref: RefResolver, payload: bytearray, max_depth: int) -> None:
         self.resolve_ref = resolve_ref
-        self.tensors = tensors
+        self.payload = payload
+        self.used = 0
         self.depth = 0
         self.max_depth = max_depth
         self.hook = self._ext
-
-    def unpack(self, raw: bytes) -> Any:
-        try:
-            return msgpack.unpackb(raw, ext_hook=self.hook, raw=False, strict_map_key=False, use_list=True)
-        except DecodeError:
-            raise
-        except Exception as exc:
-            raise DecodeError(f"malformed body: {type(exc).__name__}: {exc}") from None
+        self.error: DecodeError | None = None
 
     def _ext(self, code: int, data: bytes) -> Any:
-        if code == _EXT_REF:
+        try:
+            if code == _EXT_REF:
+                try:
+                    return self.resolve_ref(data.decode())
+                except Exception as exc:
+                    raise DecodeError(f"bad actor ref {data[:80]!r}: {exc}") from None
+            if code == _EXT_TENSOR:
+                return self._tensor(data)
+            if code == _EXT_MESSAGE:
+                return self._nested(data)
+            raise DecodeError(f"unknown extension type {code}")
+        except DecodeError as exc:
+            if self.error is None:
+                self.error = exc
+            return None
+
+    def _nested(self, data: bytes) -> Any:
+        self.depth += 1
+        try:
+            if self.depth > self.max_depth:
+                raise DecodeError(f"messages nested deeper than {self.max_depth}")
             try:
-                return self.resolve_ref(data.decode())
+                inner = msgpack.unpackb(data, ext_hook=self.hook, raw=False, strict_map_key=False)
             except Exception as exc:
-                raise DecodeError(f"bad actor ref {data[:80]!r}: {exc}") from None
-        if code == _EXT_TENSOR:
-            index = int.from_bytes(data, "little")
-            if len(data) != 4 or index >= len(self.tensors):
-                raise DecodeError(f"tensor reference {index} out of range ({len(self.tensors)} tensors)")
-            return self.tensors[index]
-        if code == _EXT_MESSAGE:
-            self.depth += 1
-            try:
-                if self.depth > self.max_depth:
-                    raise DecodeError(f"messages nested deeper than {self.max_depth}")
-                inner = self.unpack(data)
-                if not (isinstance(inner, list) and len(inner) == 2 and isinstance(inner[0], str)):
-                    raise DecodeError("nested message is not [tag, fields]")
-                return self.message(inner[0], inner[1])
-            finally:
-                self.depth -= 1
-        raise DecodeError(f"unknown extension type {code}")
+                raise DecodeError(f"malformed nested message: {type(exc).__name__}: {exc}") from None
+            if self.error is not None:
+                raise self.error
+            if not (type(inner) is list and len(inner) == 2 and type(inner[0]) is str):
+                raise DecodeError("nested message is not [tag, fields]")
+            return self.message(inner[0], inner[1])
+        finally:
+            self.depth -= 1
+
+    def _tensor(self, data: bytes) -> Any:
+        try:
+            desc = msgpack.unpackb(data, raw=False)
+        except Exception:
+            raise DecodeError("malformed tensor descriptor") from None
+        if not (type(desc) is list and len(desc) == 5):
+            raise DecodeError("tensor descriptor is not [dtype, shape, nbytes, kind, offset]")
+        dtype, shape, nbytes, kind, offset = desc
+        if type(dtype) is not str or (dtype not in _DTYPES and dtype not in _TORCH_ONLY):
+            raise DecodeError(f"unsupported tensor dtype {str(dtype)[:40]!r}")
+        if kind != _KIND_NUMPY and kind != _KIND_TORCH:
+            raise DecodeError(f"unknown tensor kind {kind!r}")
+        if dtype in _TORCH_ONLY and kind != _KIND_TORCH:
+            raise DecodeError(f"dtype {dtype} is only valid for torch tensors")
+        if type(shape) is not list or len(shape) > _MAX_NDIM:
+            raise DecodeError("tensor shape is not a list of at most 32 dimensions")
+        count = 1
+        for dim in shape:
+            if type(dim) is not int or dim < 0:
+                raise DecodeError(f"tensor dimension {dim!r} is not a non-negative integer")
+            count *= dim
+        base = _DTYPES[_TORCH_ONLY.get(dtype, dtype)]
+        if type(nbytes) is not int or nbytes != count * base.itemsize:
+            raise DecodeError(f"tensor nbytes {nbytes!r} != {dtype} x {shape} = {count * base.itemsize}")
+        if offset != self.used:
+            raise DecodeError(f"tensor offset {offset!r} is not the next free payload byte ({self.used})")
+        end = offset + nbytes
+        if end > len(self.payload):
+            raise DecodeError(f"tensor needs payload bytes up to {end}, {len(self.payload)} were sent")
+        self.used = end + (-nbytes % _ALIGN)
+        array = np.frombuffer(self.payload, dtype=base, count=count, offset=offset).reshape(shape)
+        if kind == _KIND_NUMPY:
+            return array
+        import torch
+
+        tensor = torch.from_numpy(array) if count else torch.empty(shape, dtype=getattr(torch, base.name))
+        return tensor.view(getattr(torch, dtype)) if dtype in _TORCH_ONLY else tensor
 
     def message(self, tag: str, fields: Any) -> Any:
         schema = _schema(tag)
-        if not isinstance(fields, list) or len(fields) != len(schema.checks):
+        if type(fields) is not list or len(fields) != len(schema.checks):
             raise DecodeError(f"{tag}: expected {len(schema.checks)} fields")
         values = [check(value) for check, value in zip(schema.checks, fields)]
         try:

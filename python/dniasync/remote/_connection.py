@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import logging
 from collections import deque
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -41,6 +42,38 @@ def remote_error(address: str, remote_type: str, detail: str) -> Exception:
     return RemoteError(remote_type, detail, address)
 
 
+class ReplySink:
+    """Where a local handler's answer to a remote ask goes: straight onto the wire.
+
+    Quacks like the ``asyncio.Future`` an ``ActorCell`` expects as a reply,
+    but writes the reply when it is set instead of a loop iteration later.
+    """
+
+    __slots__ = ("peer", "corr", "_done")
+
+    def __init__(self, peer: Peer, corr: int) -> None:
+        self.peer = peer
+        self.corr = corr
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, value: Any) -> None:
+        if not self._done:
+            self._done = True
+            self.peer.reply(self.corr, value, None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        if not self._done:
+            self._done = True
+            self.peer.reply(self.corr, None, exc)
+
+    def cancel(self) -> bool:
+        self._done = True
+        return True
+
+
 class Connection:
     """A websocket to ``peer``; ``dialer`` is the node that opened it."""
 
@@ -61,8 +94,9 @@ class Connection:
         self._wake = asyncio.Event()
         self._stream_ids = itertools.count(1)
         self._part_bytes = transport.settings.limits.part_bytes
-        self._overflow: dict[str, deque[tuple[Any, asyncio.Future[Any] | None]]] = {}
+        self._overflow: dict[str, deque[tuple[Any, ReplySink | None]]] = {}
         self._room = asyncio.Event()
+        self._draining = False
         self.sender: asyncio.Task[None] = transport.spawn_task(self._send_loop(), f"ws-send:{peer.node}")
 
     def __repr__(self) -> str:
@@ -71,26 +105,69 @@ class Connection:
     # -- sending ---------------------------------------------------------------
     async def send(self, op: int, frame: Encoded) -> None:
         """Write a frame now (after whatever is queued), waiting on backpressure."""
-        if self.outbox:  # keep order behind queued frames
+        if self.outbox or self._draining:  # keep order behind queued frames
             self.outbox.append((op, frame))
             self._wake.set()
             return
         await self._write(op, frame)
 
     def send_nowait(self, op: int, frame: Encoded, *, bounded: bool = True) -> None:
-        """Queue a frame for the sender task; ``MailboxFull`` past ``outbox_size`` if ``bounded``."""
+        """Write a small frame at once, or queue it; ``MailboxFull`` past ``outbox_size`` if ``bounded``."""
+        if not self.outbox and not self._draining and frame.payload_len <= self._part_bytes:
+            self._write_now(frame.single(op))
+            return
         if bounded and len(self.outbox) >= self.transport.settings.outbox_size:
             raise MailboxFull(f"outbox to {self.peer.node} full ({len(self.outbox)} frames)")
         self.outbox.append((op, frame))
         self._wake.set()
 
+    def _write_now(self, data: bytes) -> None:
+        """Write one websocket message synchronously (replies from a handler's thread of control).
+
+        aiohttp writes an uncompressed frame before its first suspension point
+        (the wait for the transport to drain), so stepping the coroutine once
+        puts the bytes on the wire in order; if it then has to wait for
+        backpressure, a task finishes it and later frames queue behind it.
+        """
+        coro = self.ws.send_bytes(data)
+        try:
+            waiting = coro.send(None)
+        except StopIteration:
+            pass
+        else:
+            self._draining = True
+            self.transport.spawn_task(self._finish_send(coro, waiting), f"ws-drain:{self.peer.node}")
+        self.transport.counters.bytes_out += len(data)
+        self.transport.counters.frames_out += 1
+
+    async def _finish_send(self, coro: Coroutine[Any, Any, None], waiting: Any) -> None:
+        try:
+            while True:
+                try:
+                    await waiting
+                except asyncio.CancelledError:
+                    coro.close()
+                    raise
+                except Exception:
+                    pass  # the coroutine reads the outcome itself on the next step
+                waiting = coro.send(None)
+        except StopIteration:
+            pass
+        except (ConnectionError, aiohttp.ClientError, RuntimeError) as exc:
+            self.transport.connection_lost(self, f"send failed: {exc}")
+            return
+        finally:
+            self._draining = False
+        if self.outbox:
+            self._wake.set()
+
     async def _write(self, op: int, frame: Encoded) -> None:
         counters = self.transport.counters
         ws = self.ws
         if frame.payload_len <= self._part_bytes:
-            for data in frame.messages(op, 0, self._part_bytes):
-                await ws.send_bytes(data)
-                counters.bytes_out += len(data)
+            data = frame.single(op)
+            await ws.send_bytes(data)
+            counters.bytes_out += len(data)
         else:
             stream = next(self._stream_ids) & 0xFFFFFFFF
             for data in frame.messages(op, stream, self._part_bytes):
@@ -105,7 +182,7 @@ class Connection:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
-                while outbox:
+                while outbox and not self._draining:
                     op, frame = outbox[0]
                     await self._write(op, frame)
                     outbox.popleft()  # only now: a direct send must not overtake a half-sent frame
@@ -138,7 +215,8 @@ class Connection:
                         break
                     if frame is not None:
                         counters.frames_in += 1
-                        await self._dispatch(frame)
+                        if self._dispatch(frame):
+                            await self._room.wait()  # a full mailbox: stop reading, backpressure to the sender
                 elif msg.type is aiohttp.WSMsgType.ERROR:
                     counters.decode_errors += 1
                     reason = f"websocket error: {msg.data}"
@@ -158,45 +236,45 @@ class Connection:
             self.transport.connection_lost(self, reason)
             await self.close()
 
-    async def _dispatch(self, frame: Frame) -> None:
+    def _dispatch(self, frame: Frame) -> bool:
+        """Hand a frame on; True if reading must pause until a full mailbox has room."""
         op = frame.op
         if op == OP_PING:
-            return
+            return False
         if op == OP_REPLY or op == OP_FAIL:
             self.peer.resolve(frame)
-            return
+            return False
         if frame.error is not None:
             self.transport.counters.decode_errors += 1
             log.warning("dropping a message from %s: %s", self.peer.node, frame.error)
             if op == OP_ASK:
-                self._fail_ask(frame.corr, frame.error)
-            return
+                self.peer.reply(frame.corr, None, frame.error)
+            return False
         target = frame.target
-        reply: asyncio.Future[Any] | None = None
+        reply: ReplySink | None = None
         if op == OP_ASK:
-            reply = self.loop.create_future()
-            corr = frame.corr
-            reply.add_done_callback(lambda fut: self.peer.reply(corr, fut))
+            reply = ReplySink(self.peer, frame.corr)
         elif op != OP_TELL:
-            return
+            return False
         queued = self._overflow.get(target)
         if queued is not None:
             queued.append((frame.value, reply))
             if len(queued) >= self.transport.settings.overflow_size:
                 self._room.clear()
-                await self._room.wait()  # stop reading: backpressure to the sender
-            return
+                return True
+            return False
         try:
             if self.transport.system.deliver(target, frame.value, reply):
-                return
+                return False
         except (ActorNotFound, ActorStopped) as exc:
             self._undeliverable(target, reply, exc)
-            return
+            return False
         queued = deque([(frame.value, reply)])
         self._overflow[target] = queued
         self.transport.spawn_task(self._drain(target, queued), f"ws-overflow:{target}")
+        return False
 
-    async def _drain(self, target: str, queued: deque[tuple[Any, asyncio.Future[Any] | None]]) -> None:
+    async def _drain(self, target: str, queued: deque[tuple[Any, ReplySink | None]]) -> None:
         """Feed a full mailbox in arrival order, waiting for room."""
         system = self.transport.system
         try:
@@ -213,15 +291,12 @@ class Connection:
             del self._overflow[target]
             self._room.set()
 
-    def _undeliverable(self, target: str, reply: asyncio.Future[Any] | None, exc: Exception) -> None:
+    def _undeliverable(self, target: str, reply: ReplySink | None, exc: Exception) -> None:
         if reply is None:
             self.transport.counters.dropped_tells += 1
             log.debug("tell to %s from %s dropped: %s", target, self.peer.node, exc)
         elif not reply.done():
             reply.set_exception(exc)
-
-    def _fail_ask(self, corr: int, exc: BaseException) -> None:
-        self.peer.send_reply(OP_FAIL, encode(OP_FAIL, "", corr, [type(exc).__name__, str(exc)]))
 
     # -- closing -------------------------------------------------------------------
     async def close(self, code: int = aiohttp.WSCloseCode.GOING_AWAY, message: bytes = b"") -> None:

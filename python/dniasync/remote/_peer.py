@@ -104,14 +104,11 @@ class Peer:
             remote_type, detail = frame.value
             future.set_exception(remote_error(address, remote_type, detail))
 
-    def reply(self, corr: int, result: asyncio.Future[Any]) -> None:
+    def reply(self, corr: int, value: Any, exc: BaseException | None) -> None:
         """Send the outcome of a local handler back to the asking node."""
-        if result.cancelled():
-            return
-        exc = result.exception()
         if exc is None:
             try:
-                self.send_reply(OP_REPLY, encode(OP_REPLY, "", corr, result.result()))
+                self.send_reply(OP_REPLY, encode(OP_REPLY, "", corr, value))
                 return
             except Exception as encode_exc:  # an unsendable return value is the handler's error
                 exc = encode_exc

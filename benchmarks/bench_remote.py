@@ -1,0 +1,334 @@
+"""Remote actors between two processes on loopback: dniasync vs its floor and its peers.
+
+Run: python benchmarks/bench_remote.py [--quick] [--profile]
+
+- small ask: sequential request/reply round trips per second between two
+  processes. dniasync (an ``Echo`` actor in a ``python -m dniasync.node``
+  process, asked from this one) vs a bare aiohttp websocket echo (the floor:
+  same library, same loop, no actors, no codec) vs a Ray actor method call.
+- tensor throughput: one-way 4 MiB float32 tensors from this process to the
+  other, until the receiver has handled them all. dniasync ``tell`` vs
+  torch.distributed ``send``/``recv`` over gloo.
+
+Ray is installed for the benchmark only (``pip install ray``); without it
+that row is skipped. ``--profile`` also writes where the time of an ask goes
+(cProfile of both ends in one process) to results/bench_remote_profile.txt.
+Ratios (bigger is better): ask_vs_bare_ws, ask_vs_ray, tensor_throughput_vs_gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import os
+import pstats
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import _common
+import numpy as np
+
+from dniasync import ActorSystem
+from dniasync.node.demo import Echo, Ping, Sum, Tensor
+from dniasync.remote import WebSocketTransport
+from dniasync.runtime import loop_factory
+
+MIB = 1 << 20
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+@contextmanager
+def child(args: list[str]) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """A child process; yields it and the address from its 'listening on' line."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            match = re.search(r"listening on (\S+)", line)
+            if match:
+                break
+        else:
+            raise RuntimeError(f"{args} exited before listening")
+        yield proc, match.group(1)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def dniasync_node() -> list[str]:
+    return [
+        sys.executable, "-m", "dniasync.node", "--role", "coordinator", "--log-level", "warning",
+        "--spawn", "dniasync.node.demo:Echo=echo", "--spawn", "dniasync.node.demo:Sum=sum",
+    ]
+
+
+# -- small asks --------------------------------------------------------------------------
+
+
+async def dniasync_ask(address: str, n: int) -> float:
+    async with ActorSystem() as system, WebSocketTransport(system):
+        echo = system.ref(f"echo@{address}")
+        msg = Ping(1)
+        for _ in range(200):
+            await echo.ask(msg)
+        start = time.perf_counter()
+        for _ in range(n):
+            await echo.ask(msg)
+        return n / (time.perf_counter() - start)
+
+
+async def bare_ws_ask(address: str, n: int) -> float:
+    import aiohttp
+
+    payload = b"\x01\x02" + bytes(28)  # about the size of a dniasync Ping frame
+    async with aiohttp.ClientSession() as session:
+        async with session.ws_connect(f"http://{address}/echo", compress=0, max_msg_size=1 << 30) as ws:
+            for _ in range(200):
+                await ws.send_bytes(payload)
+                await ws.receive()
+            start = time.perf_counter()
+            for _ in range(n):
+                await ws.send_bytes(payload)
+                await ws.receive()
+            return n / (time.perf_counter() - start)
+
+
+def serve_bare_ws() -> None:
+    """Child process: an aiohttp websocket echo on uvloop (the floor)."""
+    from aiohttp import web
+
+    async def echo(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse(compress=False, max_msg_size=1 << 30)
+        await ws.prepare(request)
+        async for msg in ws:
+            await ws.send_bytes(msg.data)
+        return ws
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/echo", echo)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        await web.SockSite(runner, sock).start()
+        print(f"listening on 127.0.0.1:{sock.getsockname()[1]}", flush=True)
+        await asyncio.Event().wait()
+
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(main())
+
+
+def ray_ask(n: int) -> float | None:
+    try:
+        import ray
+    except ImportError:
+        _common.say("ray is not installed (pip install ray): skipping the Ray row")
+        return None
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="error")
+    try:
+
+        @ray.remote
+        class RayEcho:
+            def ping(self, n: int) -> int:
+                return n + 1
+
+        actor = RayEcho.remote()  # type: ignore[attr-defined]
+        for _ in range(200):
+            ray.get(actor.ping.remote(1))
+        start = time.perf_counter()
+        for _ in range(n):
+            ray.get(actor.ping.remote(1))
+        return n / (time.perf_counter() - start)
+    finally:
+        ray.shutdown()
+
+
+# -- tensor throughput -------------------------------------------------------------------
+
+
+async def dniasync_tensors(address: str, n: int, mib: int) -> float:
+    data = np.random.default_rng(0).standard_normal(mib * MIB // 4).astype(np.float32)
+    msg = Tensor(data)
+    async with ActorSystem() as system, WebSocketTransport(system):
+        sink = system.ref(f"sum@{address}")
+        for _ in range(3):
+            await sink.tell(msg)
+        before = await sink.ask(Ping(0), timeout=60)
+        start = time.perf_counter()
+        for _ in range(n):
+            await sink.tell(msg)
+        handled = await sink.ask(Ping(0), timeout=120)  # after every tell: all were handled
+        elapsed = time.perf_counter() - start
+        assert handled - before == n, (handled, before)
+        return n * data.nbytes / elapsed
+
+
+def gloo_rank(rank: int, port: int, n: int, mib: int) -> None:
+    """Child process: one end of a gloo send/recv stream; rank 0 prints bytes/s."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tensor = torch.randn(mib * MIB // 4) if rank == 0 else torch.empty(mib * MIB // 4)
+    ack = torch.zeros(1)
+    for _ in range(3):
+        dist.send(tensor, 1) if rank == 0 else dist.recv(tensor, 0)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(n):
+        dist.send(tensor, 1) if rank == 0 else dist.recv(tensor, 0)
+    dist.recv(ack, 1) if rank == 0 else dist.send(ack, 0)  # the receiver has them all
+    elapsed = time.perf_counter() - start
+    if rank == 0:
+        print(f"bytes_per_s {n * tensor.numel() * 4 / elapsed}", flush=True)
+    dist.destroy_process_group()
+
+
+def gloo_tensors(n: int, mib: int) -> float:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = str(Path(__file__).resolve())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, "--gloo-rank", str(rank), "--gloo-port", str(port), "--n", str(n),
+             "--mib", str(mib)],
+            stdout=subprocess.PIPE, text=True, env=ENV,
+        )
+        for rank in (0, 1)
+    ]
+    out, _ = procs[0].communicate(timeout=300)
+    procs[1].wait(60)
+    match = re.search(r"bytes_per_s (\S+)", out)
+    if match is None:
+        raise RuntimeError(f"gloo sender printed no rate: {out!r}")
+    return float(match.group(1))
+
+
+# -- profile -------------------------------------------------------------------------------
+
+
+async def _both_ends(n: int) -> None:
+    async with ActorSystem() as server, WebSocketTransport(server) as node:
+        await server.spawn(Echo, name="echo")
+        async with ActorSystem() as client, WebSocketTransport(client):
+            echo = client.ref(f"echo@{node.address}")
+            for _ in range(n):
+                await echo.ask(Ping(1))
+
+
+def profile(n: int) -> str:
+    profiler = cProfile.Profile()
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        profiler.enable()
+        runner.run(_both_ends(n))
+        profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(25)
+    return out.getvalue()
+
+
+def run_async(coro: object) -> float:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(coro)  # type: ignore[arg-type]
+
+
+def main() -> None:
+    parser = _common.parser(__doc__ or "")
+    parser.add_argument("--profile", action="store_true", help="also profile the ask hot path")
+    parser.add_argument("--serve-ws", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--gloo-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--gloo-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--mib", type=int, default=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_ws:
+        serve_bare_ws()
+        return
+    if args.gloo_rank is not None:
+        gloo_rank(args.gloo_rank, args.gloo_port, args.n, args.mib)
+        return
+
+    n_ask, n_ray, n_tensor, repeats = (3_000, 500, 40, 1) if args.quick else (20_000, 3_000, 250, 3)
+    results: dict[str, float] = {}
+    bare, dni, ray_rates, dni_tensor, gloo = [], [], [], [], []
+    with child(dniasync_node()) as (_, node), child([sys.executable, __file__, "--serve-ws"]) as (_, ws):
+        for _ in range(repeats):  # interleaved, so drift on a shared machine hits both alike
+            bare.append(run_async(bare_ws_ask(ws, n_ask)))
+            dni.append(run_async(dniasync_ask(node, n_ask)))
+        for _ in range(repeats):
+            gloo.append(gloo_tensors(n_tensor, 4))
+            dni_tensor.append(run_async(dniasync_tensors(node, n_tensor, 4)))
+    ray_rate = ray_ask(n_ray)
+    results["bare_ws_ask_per_s"] = max(bare)
+    results["dniasync_ask_per_s"] = max(dni)
+    results["dniasync_tensor_bytes_per_s"] = max(dni_tensor)
+    results["gloo_tensor_bytes_per_s"] = max(gloo)
+    ratios = {
+        "ask_vs_bare_ws": results["dniasync_ask_per_s"] / results["bare_ws_ask_per_s"],
+        "tensor_throughput_vs_gloo": results["dniasync_tensor_bytes_per_s"] / results["gloo_tensor_bytes_per_s"],
+    }
+    rows = [
+        ("small ask: bare aiohttp ws echo", f"{results['bare_ws_ask_per_s']:,.0f}/s", "1.00 (floor)"),
+        ("small ask: dniasync", f"{results['dniasync_ask_per_s']:,.0f}/s", f"{ratios['ask_vs_bare_ws']:.2f} of bare ws"),
+    ]
+    if ray_rate is not None:
+        results["ray_ask_per_s"] = ray_rate
+        ratios["ask_vs_ray"] = results["dniasync_ask_per_s"] / ray_rate
+        rows.append(("small ask: Ray actor call", f"{ray_rate:,.0f}/s", f"dniasync is {ratios['ask_vs_ray']:.1f}x Ray"))
+    rows += [
+        ("4 MiB tensors: gloo send/recv", f"{results['gloo_tensor_bytes_per_s'] / 1e9:.2f} GB/s", "1.00 (reference)"),
+        ("4 MiB tensors: dniasync tell", f"{results['dniasync_tensor_bytes_per_s'] / 1e9:.2f} GB/s",
+         f"{ratios['tensor_throughput_vs_gloo']:.2f} of gloo"),
+    ]
+    _common.say(_common.table(rows, ("system", "rate", "ratio")))
+    path = _common.write("bench_remote", args.quick, results, ratios)
+    _common.say(f"wrote {path}")
+    _plot(results, path.with_suffix(".png"))
+    if args.profile:
+        text = profile(2_000 if args.quick else 10_000)
+        out = _common.RESULTS / "bench_remote_profile.txt"
+        out.write_text(text)
+        _common.say(f"wrote {out}")
+
+
+def _plot(results: dict[str, float], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    asks = {"bare ws": "bare_ws_ask_per_s", "dniasync": "dniasync_ask_per_s", "Ray": "ray_ask_per_s"}
+    shown = {k: results[v] for k, v in asks.items() if v in results}
+    left.bar(list(shown), list(shown.values()), color=["grey", "tab:blue", "tab:orange"][: len(shown)])
+    left.set_ylabel("round trips / s")
+    left.set_title("small ask, two processes")
+    right.bar(["gloo", "dniasync"], [results["gloo_tensor_bytes_per_s"] / 1e9,
+                                     results["dniasync_tensor_bytes_per_s"] / 1e9], color=["grey", "tab:blue"])
+    right.set_ylabel("GB/s")
+    right.set_title("4 MiB float32 tensors, one way")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
