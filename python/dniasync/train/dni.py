@@ -687,7 +687,8 @@ class LayerGroup(Actor):
             grad_in = await self.run_blocking(self._synthetic_update, h_in, h_out, msg.labels)
             self._trace("update", b)
             self._keep(self._outputs, b, _Kept(None, h_out.detach(), msg.labels, msg.step_id, msg.parts))
-            await self._pass_upstream(b, grad_in)
+            if self.upstream is not None:  # the first group's batch is done when its SG target is back
+                await self._pass_upstream(b, grad_in)
         else:
             # sync: keep the graph until the true gradient comes back
             self._keep(self._outputs, b, _Kept(h_in, h_out, msg.labels, msg.step_id, msg.parts))

@@ -70,7 +70,11 @@ class PipelineBroken(RuntimeError):
 
 @dataclass
 class EvalPoint:
-    """One evaluation during training. ``sg_losses``: per group, mean since the last point."""
+    """One evaluation during training.
+
+    ``sg_losses`` and ``input_losses``: per group, the mean loss of its SG model
+    and of its synthetic-input model since the previous point (NaN: none).
+    """
 
     wall_s: float
     samples: int
@@ -79,6 +83,7 @@ class EvalPoint:
     eval_loss: float
     train_loss: float
     sg_losses: list[float] = field(default_factory=list)
+    input_losses: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -330,7 +335,9 @@ class PipelineDriver:
         train_loss = p.loss_sum / p.loss_count if p.loss_count else float("nan")
         p.loss_sum, p.loss_count = 0.0, 0
         stats = await self.stats()
-        return EvalPoint(wall, samples, epoch, accuracy, eval_loss, train_loss, [s.sg_loss for s in stats])
+        return EvalPoint(
+            wall, samples, epoch, accuracy, eval_loss, train_loss, [s.sg_loss for s in stats], [s.input_loss for s in stats]
+        )
 
     # -- asking the groups -----------------------------------------------------
     async def evaluate(self, x: torch.Tensor, y: torch.Tensor, chunk: int = 1000) -> tuple[float, float]:

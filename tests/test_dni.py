@@ -1,0 +1,336 @@
+"""Decoupled Neural Interfaces: synthetic gradients, layer-group actors, the pipeline driver.
+
+Everything runs in one ActorSystem with the groups talking only through refs
+and wire messages, as they would across processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+
+from dniasync import Actor, ActorSystem, handler
+from dniasync.train.dni import (
+    Connect,
+    DNISettings,
+    Done,
+    Forward,
+    Gradient,
+    GroupConfigError,
+    GroupDown,
+    LayerGroup,
+    LossReport,
+    StatsRequest,
+    SyntheticGradient,
+    build_layer_groups,
+    split_sequential,
+    validate_groups,
+)
+from dniasync.train.pipeline import (
+    PipelineBroken,
+    PipelineDriver,
+    batch_order,
+    run_pipeline,
+    spawn_layer_groups,
+    train_backprop,
+)
+
+torch.set_num_threads(1)
+
+GROUPS = [[0, 1], [2, 3], [4]]
+
+
+def mlp(seed: int = 0, d_in: int = 64, width: int = 64) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d_in, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+
+
+@pytest.fixture(scope="module")
+def digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    data = load_digits()
+    x = torch.tensor(data.data / 16.0, dtype=torch.float32)
+    y = torch.tensor(data.target, dtype=torch.int64)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    train, test = perm[:1400], perm[1400:]
+    return x[train], y[train], x[test], y[test]
+
+
+# -- the synthetic-gradient model ------------------------------------------------------
+
+
+@pytest.mark.parametrize("hidden_layers", [0, 1, 2])
+@pytest.mark.parametrize("num_classes", [0, 10])
+def test_synthetic_gradient_is_exactly_zero_before_training(hidden_layers: int, num_classes: int) -> None:
+    sg = SyntheticGradient(16, num_classes=num_classes, hidden_layers=hidden_layers, hidden_width=8)
+    h = torch.randn(5, 16)
+    labels = torch.arange(5)
+    assert torch.equal(sg(h, labels), torch.zeros(5, 16))
+    sg.fit(h, labels, torch.ones(5, 16))
+    assert sg(h, labels).abs().sum() > 0  # one step moves it: the zero above was not a constant
+
+
+def test_synthetic_gradient_training_reduces_its_loss() -> None:
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(8, 8, generator=gen) * 0.1
+    h = torch.randn(64, 8, generator=gen)
+    target = h @ a
+    sg = SyntheticGradient(8, hidden_layers=1, hidden_width=32, lr=1e-2)
+    for _ in range(200):
+        sg.fit(h, None, target)
+    assert len(sg.losses) == 200 and sg.steps == 200
+    assert sg.losses[-1] < 0.05 * sg.losses[0]
+
+
+def test_conditioned_synthetic_gradient_uses_the_labels() -> None:
+    gen = torch.Generator().manual_seed(2)
+    h = torch.randn(400, 6, generator=gen)
+    labels = torch.randint(0, 4, (400,), generator=gen)
+    per_class = torch.randn(4, 6, generator=gen)
+    target = per_class[labels]  # depends on the label only: invisible to a plain SG
+    plain = SyntheticGradient(6, hidden_layers=0, lr=1e-2)
+    conditioned = SyntheticGradient(6, num_classes=4, hidden_layers=0, lr=1e-2)
+    for _ in range(300):
+        plain.fit(h, None, target)
+        conditioned.fit(h, labels, target)
+    assert conditioned.losses[-1] < 0.05
+    assert plain.losses[-1] > 0.5
+    with pytest.raises(ValueError, match="needs the labels"):
+        conditioned(h, None)
+
+
+# -- cutting models into groups --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("groups", "problem"),
+    [
+        ([], "no layer groups"),
+        ([[0, 1], [], [2, 3, 4]], "group 1 is empty"),
+        ([[0, 1], [3, 4]], r"layers \[2\] are in no group"),
+        ([[0, 1, 2], [2, 3, 4]], "layer 2 is in group 0 and in group 1"),
+        ([[0, 1, 1], [2, 3, 4]], "layer 1 is twice in group 0"),
+        ([[0, 1], [2, 3], [4, 5]], "group 2: layer 5 is out of range"),
+        ([[-1, 0], [1, 2, 3, 4]], "group 0: layer -1 is out of range"),
+        ([[0, 2], [1, 3, 4]], r"group 0 \[0, 2\] is not a contiguous"),
+        ([[2, 3, 4], [0, 1]], "groups are out of order"),
+        ([[0, 1], ["2", 3, 4]], "'2' is not an integer"),
+    ],
+)
+def test_bad_group_configs_fail_naming_the_problem(groups: list[list[int]], problem: str) -> None:
+    with pytest.raises(GroupConfigError, match=problem):
+        validate_groups(groups, 5)
+
+
+async def test_bad_config_fails_at_start_before_any_group_runs() -> None:
+    async with ActorSystem() as system:
+        with pytest.raises(GroupConfigError, match="in no group"):
+            await spawn_layer_groups(system, mlp(), [[0, 1], [2, 3]], DNISettings(), 64)
+        assert system.actors() == []
+
+
+def test_split_sequential_shares_the_layers() -> None:
+    model = mlp()
+    parts = split_sequential(model, GROUPS)
+    assert [len(p) for p in parts] == [2, 2, 1]
+    assert parts[1][0] is model[2]
+    specs = build_layer_groups(model, GROUPS, DNISettings(), 64)
+    assert [(s.in_features, s.out_features, s.last) for s in specs] == [(64, 64, False), (64, 64, False), (64, 10, True)]
+
+
+# -- a group in isolation, wired to a recorder ---------------------------------------
+
+
+class Recorder(Actor):
+    """Stands in for a group's neighbours and monitor; keeps what it receives."""
+
+    mailbox_size = 0
+
+    def __init__(self) -> None:
+        self.received: list[object] = []
+
+    @handler(Forward, Gradient, Done, LossReport, GroupDown)
+    def keep(self, msg: object) -> None:
+        self.received.append(msg)
+
+    @handler
+    def dump(self, msg: StatsRequest) -> list[object]:
+        return list(self.received)
+
+
+async def test_bootstrapped_target_is_next_groups_synthetic_gradient_backpropagated() -> None:
+    """A middle group sends upstream M_k(h_k) back-propagated through its layers (before its update)."""
+    torch.manual_seed(3)
+    layers = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 8))
+    sg = SyntheticGradient(8, num_classes=10, hidden_layers=1, hidden_width=16)
+    with torch.no_grad():  # give the SG model a non-zero output, as after some training
+        for p in sg.parameters():
+            p.normal_(0.0, 0.3)
+    layers_before, sg_before = copy.deepcopy(layers), copy.deepcopy(sg)
+    h = torch.randn(5, 12)
+    labels = torch.tensor([0, 3, 9, 3, 1])
+
+    async with ActorSystem() as system:
+        rec = await system.spawn(Recorder, name="recorder")
+        group = await system.spawn(LayerGroup, layers, DNISettings(conditioned=True), 12, 8, 12, False, 0, sg, name="g1")
+        await group.ask(Connect([rec], [rec], rec))
+        await group.tell(Forward(7, 7, 1, 1.0, h, labels))
+        stats = await group.ask(StatsRequest())  # handled after the forward: its sends are in rec's mailbox
+        received = await rec.ask(StatsRequest())
+
+    assert stats.steps == 1
+    forwards = [m for m in received if isinstance(m, Forward)]
+    gradients = [m for m in received if isinstance(m, Gradient)]
+    assert len(forwards) == 1 and len(gradients) == 1 and gradients[0].batch_id == 7
+
+    h_in = h.clone().requires_grad_(True)
+    h_out = layers_before(h_in)
+    target = torch.autograd.grad(h_out, h_in, grad_outputs=sg_before(h_out.detach(), labels))[0]
+    assert target.abs().sum() > 0
+    torch.testing.assert_close(gradients[0].gradient, target)
+    torch.testing.assert_close(forwards[0].activations, h_out.detach())
+    # and the group did update itself from that synthetic gradient
+    assert not torch.equal(layers.state_dict()["0.weight"], layers_before.state_dict()["0.weight"])
+
+
+# -- whole pipelines -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+async def test_true_gradient_instead_of_synthetic_reproduces_backprop(
+    digits: tuple[torch.Tensor, ...], micro_batches: int
+) -> None:
+    """The synchronous pipeline (the true gradient where DNI puts the synthetic one) = plain backprop."""
+    x, y = digits[0][:256], digits[1][:256]
+    reference = mlp(seed=5)
+    train_backprop(reference, x, y, epochs=2, batch_size=32, seed=9, lr=1e-3)
+
+    model = mlp(seed=5)
+    untouched = copy.deepcopy(model)
+    async with ActorSystem() as system:
+        refs = await spawn_layer_groups(system, model, GROUPS, DNISettings(mode="sync"), 64)
+        async with PipelineDriver(system, refs, mode="sync", micro_batches=micro_batches) as driver:
+            result = await driver.train(x, y, epochs=2, batch_size=32, seed=9)
+            states = await driver.states()
+
+    assert result.samples == 512
+    assert [s.steps for s in result.stats] == [16, 16, 16]
+    got = {
+        f"{layer}.{name.split('.')[1]}": tensor
+        for group, state in zip(GROUPS, states)
+        for name, tensor in state.items()
+        for layer in [group[int(name.split(".")[0])]]
+    }
+    want = reference.state_dict()
+    assert got.keys() == want.keys()
+    for key in want:
+        assert not torch.equal(want[key], untouched.state_dict()[key])
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["dni", "sync"])
+async def test_group_updates_before_any_gradient_returns(digits: tuple[torch.Tensor, ...], mode: str) -> None:
+    """Traces recorded by the actors: in DNI group 0 updates on every batch before its gradient is back."""
+    x, y = digits[0][:128], digits[1][:128]
+    settings = DNISettings(mode=mode, trace=True)  # type: ignore[arg-type]
+    async with ActorSystem() as system:
+        refs = await spawn_layer_groups(system, mlp(), GROUPS, settings, 64)
+        async with PipelineDriver(system, refs, mode=mode, max_in_flight=4) as driver:
+            await driver.train(x, y, epochs=1, batch_size=16, seed=0)
+            traces = await driver.traces()
+
+    first = list(zip(traces[0].events, traces[0].batch_ids))
+    updates = [i for i, (e, _) in enumerate(first) if e == "update"]
+    gradients = [i for i, (e, _) in enumerate(first) if e == "gradient"]
+    assert len(updates) == 8 and len(gradients) == 8
+    if mode == "dni":
+        # four batches in flight: four updates before the first gradient arrives
+        assert sum(i < gradients[0] for i in updates) == 4
+        for b in range(8):
+            assert first.index(("sent_downstream", b)) < first.index(("update", b)) < first.index(("gradient", b))
+        middle = list(zip(traces[1].events, traces[1].batch_ids))
+        for b in range(8):  # the middle group sends its (bootstrapped) gradient right after updating
+            assert middle.index(("update", b)) < middle.index(("sent_upstream", b)) < middle.index(("gradient", b))
+    else:
+        assert updates[0] > gradients[0]
+        for b in range(8):
+            assert first.index(("gradient", b)) < first.index(("update", b))
+
+
+async def test_cache_evictions_are_counted(digits: tuple[torch.Tensor, ...]) -> None:
+    x, y = digits[0][:192], digits[1][:192]
+    async with ActorSystem() as system:
+        refs = await spawn_layer_groups(system, mlp(), GROUPS, DNISettings(cache_size=2), 64)
+        async with PipelineDriver(system, refs, max_in_flight=6) as driver:
+            result = await driver.train(x, y, epochs=1, batch_size=16, seed=0)
+    first = result.stats[0]
+    assert first.evictions >= 4  # six forwards queue before any gradient; two fit
+    assert first.late_gradients == first.evictions  # every evicted batch's gradient came back to nothing
+    assert first.sg_steps + first.late_gradients == 12
+    assert result.stats[2].evictions == 0
+
+
+async def test_stopped_group_is_reported_not_hung(digits: tuple[torch.Tensor, ...]) -> None:
+    x, y = digits[0], digits[1]
+    async with ActorSystem() as system:
+        refs = await spawn_layer_groups(system, mlp(), GROUPS, DNISettings(), 64)
+        async with PipelineDriver(system, refs, max_in_flight=4) as driver:
+            training = asyncio.create_task(driver.train(x, y, epochs=100, batch_size=16))
+            while (await refs[2].ask(StatsRequest())).steps < 5:  # progress seen through messages
+                pass
+            await system.stop(refs[1])
+            async with asyncio.timeout(10):
+                with pytest.raises(PipelineBroken) as err:
+                    await training
+    assert err.value.address == refs[1].address
+
+
+async def test_failing_group_is_reported(digits: tuple[torch.Tensor, ...]) -> None:
+    x, y = digits[0][:64], digits[1][:64]
+    async with ActorSystem() as system:
+        refs = await spawn_layer_groups(system, mlp(), GROUPS, DNISettings(), 64)
+        async with PipelineDriver(system, refs) as driver:
+            async with asyncio.timeout(10):
+                with pytest.raises(PipelineBroken, match="failed") as err:
+                    await driver.train(x[:, :32], y, epochs=1, batch_size=16)  # wrong width for group 0
+    assert err.value.address == refs[0].address
+
+
+async def test_dni_on_digits_reaches_modest_accuracy(digits: tuple[torch.Tensor, ...]) -> None:
+    xtr, ytr, xte, yte = digits
+    settings = DNISettings(conditioned=True, lr=3e-4, sg_lr=1e-4, sg_hidden_layers=0)
+    result = await run_pipeline(
+        mlp(width=128), GROUPS, xtr, ytr, settings=settings, epochs=10, batch_size=32, eval_x=xte, eval_y=yte
+    )
+    assert result.samples == 10 * 1400
+    assert len(result.history) == 10
+    assert result.history[0].accuracy < result.final_accuracy
+    assert result.final_accuracy >= 0.75, [p.accuracy for p in result.history]
+    sg0 = [p.sg_losses[0] for p in result.history]
+    assert all(v == v for v in sg0)  # recorded at every point (not NaN)
+
+
+async def test_synthetic_inputs_train_the_input_model(digits: tuple[torch.Tensor, ...]) -> None:
+    xtr, ytr, xte, yte = digits
+    settings = DNISettings(conditioned=True, lr=3e-4, sg_hidden_layers=0, synthetic_inputs=True)
+    result = await run_pipeline(
+        mlp(), GROUPS, xtr, ytr, settings=settings, epochs=3, batch_size=50, eval_x=xte, eval_y=yte
+    )
+    first, middle, last = result.stats
+    assert first.input_steps == 0
+    assert middle.input_steps == last.input_steps == 84
+    assert middle.steps == 168  # one update on the synthetic input, one on the real one, per batch
+    start, end = result.history[0].input_losses, result.history[-1].input_losses
+    assert end[1] < start[1] and end[2] < start[2]
+    assert result.final_accuracy > 0.5
+
+
+def test_batch_order_is_seeded() -> None:
+    a = [idx.tolist() for _, idx in batch_order(10, 4, 2, seed=1)]
+    b = [idx.tolist() for _, idx in batch_order(10, 4, 2, seed=1)]
+    assert a == b and len(a) == 6 and len(a[2]) == 2
+    assert sorted(sum(a[:3], [])) == list(range(10))
