@@ -61,22 +61,27 @@ macro_rules! multiversion {
 }
 pub(crate) use multiversion;
 
-/// The widest instruction set this CPU offers among those the kernels are built for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// An instruction set the kernels are built for, narrowest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     Base,
     Avx2,
     Avx512,
 }
 
-/// Detected once; `DNIASYNC_ISA=base|avx2` caps it (to compare variants).
-pub fn isa() -> Isa {
+thread_local! {
+    static CAP: std::cell::Cell<Option<Isa>> = const { std::cell::Cell::new(None) };
+}
+
+/// The widest set this CPU offers, detected once; `DNIASYNC_ISA=base|avx2` caps it.
+pub fn detected_isa() -> Isa {
     static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
     *ISA.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
             let cap = std::env::var("DNIASYNC_ISA").unwrap_or_default();
-            let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
+            let avx2 =
+                std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
             let avx512 = avx2
                 && std::is_x86_feature_detected!("avx512f")
                 && std::is_x86_feature_detected!("avx512vl");
@@ -89,6 +94,34 @@ pub fn isa() -> Isa {
         }
         Isa::Base
     })
+}
+
+/// The set kernels use on this thread: the detected one, or less inside `with_isa`.
+#[inline]
+pub fn isa() -> Isa {
+    let detected = detected_isa();
+    CAP.with(|c| c.get())
+        .map_or(detected, |cap| cap.min(detected))
+}
+
+/// Every set this CPU can run, narrowest first (for testing each kernel variant).
+pub fn available_isas() -> Vec<Isa> {
+    [Isa::Base, Isa::Avx2, Isa::Avx512]
+        .into_iter()
+        .filter(|&i| i <= detected_isa())
+        .collect()
+}
+
+/// Runs `f` with this thread's kernels limited to `cap` (tests and comparisons).
+pub fn with_isa<R>(cap: Isa, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<Isa>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            CAP.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(CAP.with(|c| c.replace(Some(cap))));
+    f()
 }
 
 /// Copies `src` cells into `dst` (relaxed, per element).

@@ -3,7 +3,8 @@
 #![allow(clippy::needless_range_loop)]
 use dniasync_core::quant::{int8, onebit, threshold};
 use dniasync_core::{
-    CoreError, Dense, Layout, NonFinitePolicy, Optimizer, OptimizerConfig, ParamStore, SegmentSpec,
+    available_isas, with_isa, CoreError, Dense, Layout, NonFinitePolicy, Optimizer,
+    OptimizerConfig, ParamStore, SegmentSpec,
 };
 use proptest::prelude::*;
 use std::sync::Arc;
@@ -106,56 +107,64 @@ proptest! {
         init in vec_f32(1..3000),
         seed_grads in prop::collection::vec(vec_f32(3000..3001), 1..4),
         lr in 0.001f32..0.5,
+        isa in prop::sample::select(available_isas()),
     ) {
-        let n = init.len();
-        let s = store(&[n], cfg);
-        s.write(0, 0, &init).unwrap();
-        let (mut w, mut s1, mut s2) = (init.clone(), vec![0f32; n], vec![0f32; n]);
-        for (t, g) in seed_grads.iter().enumerate() {
-            let g = &g[..n];
-            s.step_dense(0, g, lr).unwrap();
-            reference_step(&cfg, &mut w, &mut s1, &mut s2, g, lr, t as i32 + 1);
-        }
-        let got = read(&s, 0, 0);
-        for i in 0..n {
-            prop_assert!(close(got[i], w[i], 1e-4), "element {}: store {} reference {}", i, got[i], w[i]);
-        }
-        if cfg.optimizer.state_slots() > 0 {
-            let st = read(&s, 0, 1);
-            for i in 0..n {
-                prop_assert!(close(st[i], s1[i], 1e-4), "state {}: store {} reference {}", i, st[i], s1[i]);
+        with_isa(isa, || {
+            let n = init.len();
+            let s = store(&[n], cfg);
+            s.write(0, 0, &init).unwrap();
+            let (mut w, mut s1, mut s2) = (init.clone(), vec![0f32; n], vec![0f32; n]);
+            for (t, g) in seed_grads.iter().enumerate() {
+                let g = &g[..n];
+                s.step_dense(0, g, lr).unwrap();
+                reference_step(&cfg, &mut w, &mut s1, &mut s2, g, lr, t as i32 + 1);
             }
-        }
-        prop_assert_eq!(s.version(0).unwrap(), seed_grads.len() as u64 + 1);
+            let got = read(&s, 0, 0);
+            for i in 0..n {
+                prop_assert!(close(got[i], w[i], 1e-4), "element {}: store {} reference {}", i, got[i], w[i]);
+            }
+            if cfg.optimizer.state_slots() > 0 {
+                let st = read(&s, 0, 1);
+                for i in 0..n {
+                    prop_assert!(close(st[i], s1[i], 1e-4), "state {}: store {} reference {}", i, st[i], s1[i]);
+                }
+            }
+            prop_assert_eq!(s.version(0).unwrap(), seed_grads.len() as u64 + 1);
+            Ok(())
+        })?;
     }
 
     #[test]
     fn threshold_roundtrip_conserves_gradient(
         steps in prop::collection::vec(vec_f32(500..501), 1..5),
         tau in 0.05f32..3.0,
+        isa in prop::sample::select(available_isas()),
     ) {
-        let n = 500;
-        let mut enc = threshold::ThresholdEncoder::new(n, tau).unwrap();
-        let mut codes = Vec::new();
-        let mut decoded = vec![0f32; n];
-        for g in &steps {
-            let old = enc.residual().to_vec();
-            enc.encode(g, &mut codes).unwrap();
-            threshold::decode(&codes, tau, &mut decoded).unwrap();
-            for i in 0..n {
-                let lhs = decoded[i] + enc.residual()[i];
-                let rhs = g[i] + old[i];
-                let tol = 2.0 * f32::EPSILON * (g[i].abs() + old[i].abs() + tau);
-                prop_assert!((lhs - rhs).abs() <= tol, "element {}: {} vs {}", i, lhs, rhs);
-                prop_assert!(decoded[i] == 0.0 || decoded[i].abs() == tau);
-            }
-            // Every element that still holds >= tau must have been emitted this step.
-            for i in 0..n {
-                if decoded[i] == 0.0 {
-                    prop_assert!(enc.residual()[i].abs() < tau);
+        with_isa(isa, || {
+            let n = 500;
+            let mut enc = threshold::ThresholdEncoder::new(n, tau).unwrap();
+            let mut codes = Vec::new();
+            let mut decoded = vec![0f32; n];
+            for g in &steps {
+                let old = enc.residual().to_vec();
+                enc.encode(g, &mut codes).unwrap();
+                threshold::decode(&codes, tau, &mut decoded).unwrap();
+                for i in 0..n {
+                    let lhs = decoded[i] + enc.residual()[i];
+                    let rhs = g[i] + old[i];
+                    let tol = 2.0 * f32::EPSILON * (g[i].abs() + old[i].abs() + tau);
+                    prop_assert!((lhs - rhs).abs() <= tol, "element {}: {} vs {}", i, lhs, rhs);
+                    prop_assert!(decoded[i] == 0.0 || decoded[i].abs() == tau);
+                }
+                // Every element that still holds >= tau must have been emitted this step.
+                for i in 0..n {
+                    if decoded[i] == 0.0 {
+                        prop_assert!(enc.residual()[i].abs() < tau);
+                    }
                 }
             }
-        }
+            Ok(())
+        })?;
     }
 
     #[test]
@@ -163,36 +172,40 @@ proptest! {
         seed in any::<u64>(),
         block in prop_oneof![Just(8usize), Just(64), Just(256)],
         n in 1usize..1200,
+        isa in prop::sample::select(available_isas()),
     ) {
-        let mut enc = onebit::OneBitEncoder::new(n, block).unwrap();
-        let mut rng = proptest::test_runner::TestRng::from_seed(
-            proptest::test_runner::RngAlgorithm::ChaCha, &seed.to_le_bytes().repeat(4));
-        let (mut sum_g, mut sum_dec) = (vec![0f64; n], vec![0f64; n]);
-        let (mut payload, mut dec) = (Vec::new(), vec![0f32; n]);
-        // ‖e'‖² <= (1 - 1/B)‖g + e‖² per block, so ‖e‖ <= max‖g‖ / (1 - sqrt(1 - 1/B)).
-        let bound = 1.0 / (1.0 - (1.0 - 1.0 / block as f64).sqrt());
-        for _ in 0..200 {
-            let g: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-            enc.encode(&g, &mut payload).unwrap();
-            onebit::decode(&payload, block, &mut dec).unwrap();
+        with_isa(isa, || {
+            let mut enc = onebit::OneBitEncoder::new(n, block).unwrap();
+            let mut rng = proptest::test_runner::TestRng::from_seed(
+                proptest::test_runner::RngAlgorithm::ChaCha, &seed.to_le_bytes().repeat(4));
+            let (mut sum_g, mut sum_dec) = (vec![0f64; n], vec![0f64; n]);
+            let (mut payload, mut dec) = (Vec::new(), vec![0f32; n]);
+            // ‖e'‖² <= (1 - 1/B)‖g + e‖² per block, so ‖e‖ <= max‖g‖ / (1 - sqrt(1 - 1/B)).
+            let bound = 1.0 / (1.0 - (1.0 - 1.0 / block as f64).sqrt());
+            for _ in 0..200 {
+                let g: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                enc.encode(&g, &mut payload).unwrap();
+                onebit::decode(&payload, block, &mut dec).unwrap();
+                for i in 0..n {
+                    sum_g[i] += f64::from(g[i]);
+                    sum_dec[i] += f64::from(dec[i]);
+                }
+                for (b, e) in enc.error().chunks(block).enumerate() {
+                    let gnorm = (e.len() as f64).sqrt(); // |g_i| <= 1
+                    let enorm = e.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+                    prop_assert!(enorm <= bound * gnorm * 1.001, "block {} error norm {} > {}", b, enorm, bound * gnorm);
+                }
+            }
+            // Telescoping: everything sent plus what is still carried equals everything given.
             for i in 0..n {
-                sum_g[i] += f64::from(g[i]);
-                sum_dec[i] += f64::from(dec[i]);
+                let carried = f64::from(enc.error()[i]);
+                prop_assert!((sum_dec[i] + carried - sum_g[i]).abs() < 1e-2, "element {} drifted", i);
             }
-            for (b, e) in enc.error().chunks(block).enumerate() {
-                let gnorm = (e.len() as f64).sqrt(); // |g_i| <= 1
-                let enorm = e.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
-                prop_assert!(enorm <= bound * gnorm * 1.001, "block {} error norm {} > {}", b, enorm, bound * gnorm);
-            }
-        }
-        // Telescoping: everything sent plus what is still carried equals everything given.
-        for i in 0..n {
-            let carried = f64::from(enc.error()[i]);
-            prop_assert!((sum_dec[i] + carried - sum_g[i]).abs() < 1e-2, "element {} drifted", i);
-        }
-        // Error feedback works in practice: the carried error stays far below the bound.
-        let max_err = enc.error().iter().fold(0f32, |m, x| m.max(x.abs()));
-        prop_assert!(max_err < 8.0, "carried error {} grew", max_err);
+            // Error feedback works in practice: the carried error stays far below the bound.
+            let max_err = enc.error().iter().fold(0f32, |m, x| m.max(x.abs()));
+            prop_assert!(max_err < 8.0, "carried error {} grew", max_err);
+            Ok(())
+        })?;
     }
 
     #[test]
@@ -216,43 +229,93 @@ proptest! {
         cfg in optimizers(),
         lr in 0.001f32..0.5,
         which in 0usize..3,
+        isa in prop::sample::select(available_isas()),
     ) {
-        // Applying a payload straight into the store == decoding it and stepping densely.
-        let n = g.len();
-        let mut payload = Vec::new();
-        let mut codes = Vec::new();
-        let mut dense = vec![0f32; n];
-        match which {
-            0 => {
-                let mut enc = threshold::ThresholdEncoder::new(n, 0.5).unwrap();
-                enc.encode(&g, &mut codes).unwrap();
-                threshold::decode(&codes, 0.5, &mut dense).unwrap();
-            }
-            1 => {
-                let mut enc = onebit::OneBitEncoder::new(n, 64).unwrap();
-                enc.encode(&g, &mut payload).unwrap();
-                onebit::decode(&payload, 64, &mut dense).unwrap();
-            }
-            _ => {
-                int8::encode(&g, 32, &mut payload).unwrap();
-                int8::decode(&payload, 32, &mut dense).unwrap();
-            }
-        }
-        let (a, b) = (store(&[n], cfg), store(&[n], cfg));
-        let init: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
-        a.write(0, 0, &init).unwrap();
-        b.write(0, 0, &init).unwrap();
-        for _ in 0..2 {
+        with_isa(isa, || {
+            // Applying a payload straight into the store == decoding it and stepping densely.
+            let n = g.len();
+            let mut payload = Vec::new();
+            let mut codes = Vec::new();
+            let mut dense = vec![0f32; n];
             match which {
-                0 => a.step(0, &mut threshold::ThresholdGrad::new(&codes, 0.5, n).unwrap(), lr),
-                1 => a.step(0, &mut onebit::OneBitGrad::new(&payload, n, 64).unwrap(), lr),
-                _ => a.step(0, &mut int8::Int8Grad::new(&payload, n, 32).unwrap(), lr),
-            }.unwrap();
-            b.step_dense(0, &dense, lr).unwrap();
-        }
-        let (x, y) = (read(&a, 0, 0), read(&b, 0, 0));
-        for i in 0..n {
-            prop_assert!(close(x[i], y[i], 1e-5), "element {}: {} vs {}", i, x[i], y[i]);
+                0 => {
+                    let mut enc = threshold::ThresholdEncoder::new(n, 0.5).unwrap();
+                    enc.encode(&g, &mut codes).unwrap();
+                    threshold::decode(&codes, 0.5, &mut dense).unwrap();
+                }
+                1 => {
+                    let mut enc = onebit::OneBitEncoder::new(n, 64).unwrap();
+                    enc.encode(&g, &mut payload).unwrap();
+                    onebit::decode(&payload, 64, &mut dense).unwrap();
+                }
+                _ => {
+                    int8::encode(&g, 32, &mut payload).unwrap();
+                    int8::decode(&payload, 32, &mut dense).unwrap();
+                }
+            }
+            let (a, b) = (store(&[n], cfg), store(&[n], cfg));
+            let init: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            a.write(0, 0, &init).unwrap();
+            b.write(0, 0, &init).unwrap();
+            for _ in 0..2 {
+                match which {
+                    0 => a.step(0, &mut threshold::ThresholdGrad::new(&codes, 0.5, n).unwrap(), lr),
+                    1 => a.step(0, &mut onebit::OneBitGrad::new(&payload, n, 64).unwrap(), lr),
+                    _ => a.step(0, &mut int8::Int8Grad::new(&payload, n, 32).unwrap(), lr),
+                }.unwrap();
+                b.step_dense(0, &dense, lr).unwrap();
+            }
+            let (x, y) = (read(&a, 0, 0), read(&b, 0, 0));
+            for i in 0..n {
+                prop_assert!(close(x[i], y[i], 1e-5), "element {}: {} vs {}", i, x[i], y[i]);
+            }
+            Ok(())
+        })?;
+    }
+}
+
+#[test]
+fn kernel_variants_agree_bit_for_bit() {
+    let n = 5000;
+    let g: Vec<f32> = (0..n)
+        .map(|i| ((i * 7919) % 1000) as f32 / 250.0 - 2.0)
+        .collect();
+    let init: Vec<f32> = (0..n).map(|i| (i as f32 * 0.01).cos()).collect();
+    let configs = [
+        OptimizerConfig::new(Optimizer::Sgd),
+        OptimizerConfig::new(Optimizer::Nesterov { momentum: 0.9 }),
+        OptimizerConfig::new(Optimizer::Adagrad { eps: 1e-10 }),
+        OptimizerConfig {
+            optimizer: Optimizer::Adam {
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+            weight_decay: 0.01,
+            clip_norm: Some(10.0),
+        },
+    ];
+    for cfg in configs {
+        let run = |isa| {
+            with_isa(isa, || {
+                let s = store(&[n], cfg);
+                s.write(0, 0, &init).unwrap();
+                for _ in 0..3 {
+                    s.step_dense(0, &g, 0.05).unwrap();
+                }
+                let mut enc = threshold::ThresholdEncoder::new(n, 0.7).unwrap();
+                let mut codes = Vec::new();
+                enc.encode(&g, &mut codes).unwrap();
+                enc.encode(&g, &mut codes).unwrap();
+                (read(&s, 0, 0), codes, enc.residual().to_vec())
+            })
+        };
+        let base = run(dniasync_core::Isa::Base);
+        for isa in available_isas() {
+            assert!(
+                run(isa) == base,
+                "{isa:?} differs from the portable kernel for {cfg:?}"
+            );
         }
     }
 }

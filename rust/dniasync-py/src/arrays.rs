@@ -1,7 +1,7 @@
 //! Checked conversions between numpy arrays and slices.
 use numpy::{
-    Element, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn,
-    PyUntypedArray, PyUntypedArrayMethods,
+    Element, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
+    PyReadwriteArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -35,7 +35,7 @@ fn checked<'a, 'py, T: Element>(
     }
     let typed = obj.cast::<PyArrayDyn<T>>()?;
     // A slice of T must be aligned; byte buffers from the network may not be.
-    if (typed.data() as usize) % std::mem::align_of::<T>() != 0 {
+    if !(typed.data() as usize).is_multiple_of(std::mem::align_of::<T>()) {
         return Err(PyValueError::new_err(format!(
             "{what} is not aligned to {} bytes (copy it: numpy.array(a))",
             std::mem::align_of::<T>()

@@ -2,10 +2,10 @@
 use crate::arrays::{readonly, slice};
 use crate::errors::{run, to_py};
 use crate::store::ParamStore;
+use dniasync_core::quant::onebit::OneBitEncoder;
 use dniasync_core::quant::onebit::{self, OneBitGrad};
 use numpy::PyArray1;
 use pyo3::prelude::*;
-use dniasync_core::quant::onebit::OneBitEncoder;
 use std::sync::Mutex;
 
 /// 1-bit SGD quantizer with error feedback: a sign bit per element and, per block, the

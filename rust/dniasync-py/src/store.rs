@@ -91,7 +91,14 @@ impl ParamStore {
         shm_name: Option<String>,
         nonfinite: &str,
     ) -> PyResult<Self> {
-        let config = optimizer_config(optimizer, momentum, (beta1, beta2), eps, weight_decay, clip_norm)?;
+        let config = optimizer_config(
+            optimizer,
+            momentum,
+            (beta1, beta2),
+            eps,
+            weight_decay,
+            clip_norm,
+        )?;
         let layout = Layout::new(specs(segments), config);
         let policy = policy(nonfinite)?;
         let elems = layout.n_params();
