@@ -44,7 +44,7 @@ from ..train.messages import (
 )
 from ..train.models import build_model
 from ..train.ps import PSShard, ShardSettings
-from ..train.replica import HOGWILD_SEGMENT, TrainPlan, load_split
+from ..train.replica import HOGWILD_SEGMENT, TrainPlan, load_split, no_such_actor
 from ..train.staleness import StalenessPolicy
 from .config import Config, DownpourConfig
 from .report import EVENT_REPLICA_FAILED, EVENT_REPLICA_JOINED, EVENT_SHARD_REASSIGNED, RunReport
@@ -446,6 +446,9 @@ class PSHost(Actor):
         try:
             reply = await coordinator.ask(PSJoin(self.system.node), timeout=10.0)
         except ActorError as exc:
+            if no_such_actor(exc):
+                log.info("PS host: the coordinator runs no training job; idle")
+                return
             log.info("PS host: coordinator not reachable yet (%s); retrying", exc)
             asyncio.get_running_loop().call_later(self.retry_s, self._poke)
             return

@@ -11,9 +11,12 @@ import tomllib
 from typing import Any
 
 from ..actors import ActorError, ActorSystem
+from ..cluster.config import ConfigError, load_config
 from ..remote import RemoteSettings, WebSocketTransport, is_loopback, parse_hostport, read_token_file
 from ..runtime import run
 from ._membership import COORDINATOR, Join, Leave, join_cluster
+from . import _training  # noqa: F401  (registers the training side of the roles)
+from ._local import run_local
 from ._roles import NEEDS_JOIN, NODE_INFO, ROLES, NodeContext, NodeInfo, load_actor_class
 
 __all__ = ["build_parser", "main"]
@@ -74,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--role", choices=sorted(ROLES), help="what this node does: " + ", ".join(sorted(ROLES)) + " (required)"
+        "--role",
+        choices=sorted([*ROLES, "local"]),
+        help="what this node does: " + ", ".join(sorted(ROLES)) + "; or 'local': a whole training cluster "
+        "on this machine from a job config (--config JOB.toml) (required)",
     )
     parser.add_argument(
         "--listen",
@@ -137,6 +143,8 @@ def _load_config(path: str) -> dict[str, Any]:
 def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
     """Merge the config file and the command line; validate. Raises ``_UsageError``."""
     options: dict[str, Any] = _load_config(args.config) if args.config else {}
+    if args.config:
+        options["config"] = args.config
     for key in _CONFIG_KEYS:
         value = getattr(args, key, None)
         if value is not None:
@@ -155,6 +163,12 @@ def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
                 parse_hostport(options[key])
             except ValueError as exc:
                 raise _UsageError(f"--{key}: {exc}") from None
+    if role == "coordinator" and "config" in options:
+        try:
+            if _training.job_config_path(options["config"]) is not None:
+                load_config(options["config"])  # a bad job config fails here, naming the key
+        except ConfigError as exc:
+            raise _UsageError(str(exc)) from None
     if role in NEEDS_JOIN and "join" not in options:
         raise _UsageError(f"role {role} needs --join HOST:PORT (the coordinator's address)")
     token: bytes | None = None
@@ -258,6 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m dniasync.node``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 with a message on bad arguments
+    if args.role == "local":
+        if not args.config:
+            parser.print_usage(sys.stderr)
+            print(f"{parser.prog}: error: --role local needs --config JOB.toml", file=sys.stderr)
+            return 2
+        logging.basicConfig(level=(args.log_level or "error").upper(), stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return run_local(args.config)
     try:
         options = resolve_options(args)
     except _UsageError as exc:

@@ -26,14 +26,14 @@ import torch
 from torch.nn import functional as F
 
 from .. import _core
-from ..actors import Actor, ActorError, ActorRef, handler, message
+from ..actors import Actor, ActorError, ActorNotFound, ActorRef, handler, message
 from .compression import Codec, make_codec
 from .data import DataCursor, ShardPlan, load_dataset, split
 from .flat import FlatModel
 from .messages import Assignment, NoJob, Params, Progress, Pull, Push, RegisterReplica, Shards, StopTraining
 from .models import build_model
 
-__all__ = ["HOGWILD_SEGMENT", "Replica", "TrainPlan", "load_split"]
+__all__ = ["HOGWILD_SEGMENT", "Replica", "TrainPlan", "load_split", "no_such_actor"]
 
 log = logging.getLogger("dniasync.train.replica")
 
@@ -77,6 +77,11 @@ def load_split(plan: TrainPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     ds = load_dataset(plan.dataset, **plan.data_kwargs)
     train, test = split(ds, plan.n_train, plan.n_test, plan.seed)
     return (torch.from_numpy(train.x), torch.from_numpy(train.y), torch.from_numpy(test.x), torch.from_numpy(test.y))
+
+
+def no_such_actor(exc: BaseException) -> bool:
+    """The ask reached the node, but no actor there has that name (local or remote)."""
+    return isinstance(exc, ActorNotFound) or getattr(exc, "remote_type", None) == "ActorNotFound"
 
 
 def cursor_triples(cursors: dict[int, DataCursor]) -> list[list[int]]:
@@ -153,6 +158,9 @@ class Replica(Actor):
         try:
             reply = await self.coordinator.ask(RegisterReplica(self.name, self.incarnation, self.ref), timeout=10.0)
         except ActorError as exc:
+            if no_such_actor(exc):
+                log.info("replica %s: the coordinator runs no training job; idle", self.name)
+                return
             log.info("replica %s: coordinator not reachable yet (%s); retrying", self.name, exc)
             self._later(_Begin(), self.retry_s)
             return
