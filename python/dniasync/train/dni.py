@@ -533,9 +533,10 @@ class LayerGroup(Actor):
                     lr=settings.sg_lr,
                     optimizer=settings.optimizer,
                 )
-            self.input_model: SyntheticInput | None = None
-            self._input_features = in_features
-            self._raw_features = raw_features
+        self.input_model: SyntheticInput | None = None
+        self._input_features = in_features
+        self._raw_features = raw_features
+        self._seed = seed
         self.upstream: ActorRef | None = None
         self.downstream: ActorRef | None = None
         self.monitor: ActorRef | None = None
@@ -558,9 +559,14 @@ class LayerGroup(Actor):
         self.downstream = msg.downstream[0] if msg.downstream else None
         self.monitor = msg.monitor
         if self.settings.synthetic_inputs and self.upstream is not None and self.input_model is None:
-            self.input_model = SyntheticInput(
-                self._raw_features, self._input_features, lr=self.settings.input_lr, optimizer=self.settings.optimizer
-            )
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self._seed + 1)
+                self.input_model = SyntheticInput(
+                    self._raw_features,
+                    self._input_features,
+                    lr=self.settings.input_lr,
+                    optimizer=self.settings.optimizer,
+                )
 
     def _trace(self, event: str, batch_id: int) -> None:
         if self.settings.trace:
@@ -708,6 +714,11 @@ class LayerGroup(Actor):
         entry = self._outputs.pop(b, None)
         if entry is None:
             self.late_gradients += 1
+            if self.settings.mode == "sync":  # the graph is gone: this step can never complete
+                raise RuntimeError(
+                    f"batch {b}: graph evicted before its gradient came back (cache_size={self.settings.cache_size} "
+                    "is smaller than the micro-batches in flight)"
+                )
             if self.upstream is None:
                 await self._send(self.monitor, Done(b))
             return
