@@ -191,7 +191,7 @@ def test_config_file_supplies_options_and_unknown_keys_are_refused(tmp_path: Pat
     result = run_cli("--config", str(bad))
     assert result.returncode == 2 and "unknown key node.listen_on" in result.stderr
     good = tmp_path / "node.toml"
-    good.write_text('[node]\nrole = "coordinator"\nspawn = ["dniasync.node.demo:Echo=echo"]\n[job]\nname = "x"\n')
+    good.write_text('[node]\nrole = "coordinator"\nspawn = ["dniasync.node.demo:Echo=echo"]\n')
     node = start_node("--config", str(good))
     node.wait_for_line("coordinator listening")
 

@@ -259,6 +259,7 @@ class Decoder:
         self._resolve_ref = resolve_ref
         self.limits = limits
         self._streams: dict[int, _Stream] = {}
+        self._context = _Context(resolve_ref, limits.max_depth)
 
     @property
     def pending_bytes(self) -> int:
@@ -325,11 +326,17 @@ class Decoder:
         return self._finish(stream.op, stream.header, stream.buffer)
 
     def _finish(self, op: int, raw: bytes, payload: bytearray) -> Frame:
-        context = _Context(self._resolve_ref, payload, self.limits.max_depth)
+        context = self._context
+        context.payload = payload
+        context.used = 0
+        context.depth = 0
+        context.error = None
         try:
             header = msgpack.unpackb(raw, ext_hook=context.hook, raw=False, strict_map_key=False)
         except Exception as exc:
             raise DecodeError(f"malformed header: {type(exc).__name__}: {exc}") from None
+        finally:
+            context.payload = _EMPTY  # the tensors keep what they view; the context keeps nothing
         if not (type(header) is list and len(header) == 5):
             raise DecodeError("header is not [tag, target, sender, corr, body]")
         tag, target, sender, corr, body = header
@@ -359,7 +366,7 @@ class Decoder:
 
 
 class _Context:
-    """One frame's decoding: its payload, the ref resolver, the nesting depth.
+    """A frame's decoding (reset per frame): its payload, the ref resolver, the nesting depth.
 
     Errors inside msgpack's extension hook are kept (and a placeholder
     returned) so the header still yields the correlation id to answer with.
@@ -367,9 +374,9 @@ class _Context:
 
     __slots__ = ("resolve_ref", "payload", "used", "depth", "max_depth", "hook", "error")
 
-    def __init__(self, resolve_ref: RefResolver, payload: bytearray, max_depth: int) -> None:
+    def __init__(self, resolve_ref: RefResolver, max_depth: int) -> None:
         self.resolve_ref = resolve_ref
-        self.payload = payload
+        self.payload = _EMPTY
         self.used = 0
         self.depth = 0
         self.max_depth = max_depth

@@ -97,6 +97,7 @@ class Connection:
         self._overflow: dict[str, deque[tuple[Any, ReplySink | None]]] = {}
         self._room = asyncio.Event()
         self._draining = False
+        self._drained = asyncio.Event()
         self.sender: asyncio.Task[None] = transport.spawn_task(self._send_loop(), f"ws-send:{peer.node}")
 
     def __repr__(self) -> str:
@@ -111,17 +112,26 @@ class Connection:
             return
         await self._write(op, frame)
 
+    def can_write_now(self, frame: Encoded) -> bool:
+        """True if ``frame`` may be written synchronously (small, nothing queued before it)."""
+        return not self.outbox and not self._draining and frame.payload_len <= self._part_bytes
+
+    async def drained(self) -> None:
+        """Wait until a write that hit backpressure has been flushed."""
+        if self._draining:
+            await self._drained.wait()
+
     def send_nowait(self, op: int, frame: Encoded, *, bounded: bool = True) -> None:
         """Write a small frame at once, or queue it; ``MailboxFull`` past ``outbox_size`` if ``bounded``."""
         if not self.outbox and not self._draining and frame.payload_len <= self._part_bytes:
-            self._write_now(frame.single(op))
+            self.write_now(frame.single(op))
             return
         if bounded and len(self.outbox) >= self.transport.settings.outbox_size:
             raise MailboxFull(f"outbox to {self.peer.node} full ({len(self.outbox)} frames)")
         self.outbox.append((op, frame))
         self._wake.set()
 
-    def _write_now(self, data: bytes) -> None:
+    def write_now(self, data: bytes) -> None:
         """Write one websocket message synchronously (replies from a handler's thread of control).
 
         aiohttp writes an uncompressed frame before its first suspension point
@@ -136,6 +146,7 @@ class Connection:
             pass
         else:
             self._draining = True
+            self._drained.clear()
             self.transport.spawn_task(self._finish_send(coro, waiting), f"ws-drain:{self.peer.node}")
         self.transport.counters.bytes_out += len(data)
         self.transport.counters.frames_out += 1
@@ -158,6 +169,7 @@ class Connection:
             return
         finally:
             self._draining = False
+            self._drained.set()
         if self.outbox:
             self._wake.set()
 

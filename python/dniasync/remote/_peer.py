@@ -150,9 +150,13 @@ class RemoteDestination:
         conn = peer.conn or await peer.connection(self.address)
         loop = conn.loop
         future: asyncio.Future[Any] = loop.create_future()
-        peer.pending[corr] = (future, self.address)
+        pending = peer.pending
+        pending[corr] = (future, self.address)
         try:
-            await conn.send(OP_ASK, frame)
+            if conn.can_write_now(frame):
+                conn.write_now(frame.single(OP_ASK))
+            else:
+                await conn.send(OP_ASK, frame)
             if timeout is None:
                 return await future
             handle = loop.call_later(timeout, _expire, future, self.address, timeout)
@@ -163,14 +167,18 @@ class RemoteDestination:
         except (ConnectionError, RuntimeError) as exc:
             raise ActorUnreachable(self.address, f"send to {self.node} failed: {exc}") from None
         finally:
-            peer.pending.pop(corr, None)
+            pending.pop(corr, None)
 
     async def tell(self, msg: Any) -> None:
         frame = encode(OP_TELL, self.name, 0, msg)
         peer = self.transport.peer(self.node)
         try:
             conn = peer.conn or await peer.connection(self.address)
-            await conn.send(OP_TELL, frame)
+            if conn.can_write_now(frame):
+                conn.write_now(frame.single(OP_TELL))
+                await conn.drained()  # backpressure: returns at once unless the socket is full
+            else:
+                await conn.send(OP_TELL, frame)
         except (ActorUnreachable, ConnectionError, RuntimeError) as exc:
             self.transport.counters.dropped_tells += 1
             log.debug("tell to %s dropped: %s", self.address, exc)
