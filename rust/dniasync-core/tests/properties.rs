@@ -283,6 +283,7 @@ fn kernel_variants_agree_bit_for_bit() {
     let init: Vec<f32> = (0..n).map(|i| (i as f32 * 0.01).cos()).collect();
     let configs = [
         OptimizerConfig::new(Optimizer::Sgd),
+        OptimizerConfig::new(Optimizer::Momentum { momentum: 0.8 }),
         OptimizerConfig::new(Optimizer::Nesterov { momentum: 0.9 }),
         OptimizerConfig::new(Optimizer::Adagrad { eps: 1e-10 }),
         OptimizerConfig {

@@ -37,6 +37,9 @@ pub fn to_py(err: CoreError) -> PyErr {
 /// Work on fewer elements than this is cheaper than releasing and retaking the GIL.
 const DETACH_MIN_ELEMS: usize = 1024;
 
+/// Size hint for calls that may block (system calls, waiting on another process).
+pub const BLOCKING: usize = usize::MAX;
+
 /// Runs core work touching about `elems` f32-sized elements, with the GIL released when
 /// that is more than a few KB, and maps its error to a Python exception.
 pub fn run<T: Send>(

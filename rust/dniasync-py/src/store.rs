@@ -1,6 +1,6 @@
 //! `dniasync._core.ParamStore`.
 use crate::arrays::{readonly, readwrite, slice};
-use crate::errors::{run, to_py};
+use crate::errors::{run, to_py, BLOCKING};
 use dniasync_core::{
     Dense, Layout, NonFinitePolicy, Optimizer, OptimizerConfig, ParamStore as CoreStore,
     SegmentSpec,
@@ -101,8 +101,7 @@ impl ParamStore {
         )?;
         let layout = Layout::new(specs(segments), config);
         let policy = policy(nonfinite)?;
-        let elems = layout.n_params();
-        let inner = run(py, elems, move || match shm_name {
+        let inner = run(py, BLOCKING, move || match shm_name {
             Some(name) => CoreStore::create_shared(&name, layout),
             None => CoreStore::new(layout),
         })?;
@@ -133,7 +132,7 @@ impl ParamStore {
             .transpose()?;
         let segments = segments.map(specs);
         let policy = policy(nonfinite)?;
-        let inner = run(py, 0, move || {
+        let inner = run(py, BLOCKING, move || {
             CoreStore::attach_expecting(&shm_name, segments.as_deref(), config.as_ref())
         })?;
         inner.set_nonfinite_policy(policy);

@@ -74,61 +74,55 @@ macro_rules! for_chunks {
     }};
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+/// Picks the AVX-512 kernel that keeps cells in registers when the CPU has it, else the
+/// staged kernel compiled for the best instruction set available.
+macro_rules! dispatch {
+    ($(#[$m:meta])* $name:ident, $staged:ident, ($($arg:ident : $ty:ty),*)) => {
+        $(#[$m])*
+        pub fn $name($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            if crate::simd::isa() == crate::simd::Isa::Avx512 {
+                // SAFETY: the CPU has AVX-512F.
+                return unsafe { avx512::$name($($arg),*) };
+            }
+            $staged($($arg),*)
+        }
+    };
+}
+
+dispatch!(
+    /// `w -= lr * g`
+    sgd, sgd_staged, (w: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper)
+);
+dispatch!(
+    /// `v = m v + g; w -= lr v`
+    momentum, momentum_staged, (w: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper)
+);
+dispatch!(
+    /// `v = m v + g; w -= lr (g + m v)`
+    nesterov, nesterov_staged, (w: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper)
+);
+dispatch!(
+    /// `s += g²; w -= lr g / (√s + eps)`
+    adagrad, adagrad_staged, (w: &[AtomicU32], acc: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper)
+);
+dispatch!(
+    /// Adam, as `adam_staged`.
+    adam, adam_staged, (w: &[AtomicU32], m: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper)
+);
+
 /// The gradient after clipping scale and weight decay.
 #[inline(always)]
-fn eff(g: f32, w: f32, h: &Hyper) -> f32 {
+pub(crate) fn eff(g: f32, w: f32, h: &Hyper) -> f32 {
     g * h.gscale + h.weight_decay * w
 }
 
-/// `w -= lr * g`
-pub fn sgd(w: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
-    #[cfg(target_arch = "x86_64")]
-    if crate::simd::isa() == crate::simd::Isa::Avx512 {
-        // SAFETY: the CPU has AVX-512F.
-        return unsafe { sgd_avx512(w, src, h) };
-    }
-    sgd_staged(w, src, h)
-}
-
-/// SGD with cells moved straight into registers and back (no staging buffer): the
-/// cheapest kernel, where staging costs a visible share of the time.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn sgd_avx512(w: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
-    use std::arch::x86_64::{
-        __m512, _mm512_add_ps, _mm512_loadu_ps, _mm512_mul_ps, _mm512_set1_ps, _mm512_sub_ps,
-    };
-    let (lr, gs, wd) = (
-        _mm512_set1_ps(h.lr),
-        _mm512_set1_ps(h.gscale),
-        _mm512_set1_ps(h.weight_decay),
-    );
-    for_chunks!(w.len(), src, |s, n, g| {
-        let wc = &w[s..s + n];
-        let wide = n & !15;
-        let mut i = 0;
-        while i < wide {
-            let p = wc.as_ptr().add(i);
-            let wv: __m512;
-            // One 64-byte move = 16 relaxed loads (see `simd`).
-            std::arch::asm!("vmovups {v}, [{p}]", p = in(reg) p, v = out(zmm_reg) wv,
-                options(nostack, readonly, preserves_flags));
-            let gv = _mm512_loadu_ps(g.as_ptr().add(i));
-            let d = _mm512_add_ps(_mm512_mul_ps(gv, gs), _mm512_mul_ps(wd, wv));
-            let nw = _mm512_sub_ps(wv, _mm512_mul_ps(lr, d));
-            std::arch::asm!("vmovups [{p}], {v}", p = in(reg) p, v = in(zmm_reg) nw,
-                options(nostack, preserves_flags));
-            i += 16;
-        }
-        for (cell, &g) in wc[wide..].iter().zip(&g[wide..]) {
-            let x = f32::from_bits(cell.load(Relaxed));
-            cell.store((x - h.lr * eff(g, x, h)).to_bits(), Relaxed);
-        }
-    });
-}
-
 multiversion! {
-    fn sgd_staged(w: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
+    /// `w -= lr * g`
+    pub fn sgd_staged(w: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
         let mut wb = Buf::new();
         for_chunks!(w.len(), src, |s, n, g| {
             let (wc, wl) = (&w[s..s + n], &mut wb.0[..n]);
@@ -143,7 +137,7 @@ multiversion! {
 
 multiversion! {
     /// `v = m v + g; w -= lr v`
-    pub fn momentum(w: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
+    pub fn momentum_staged(w: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
         let (mut wb, mut vb) = (Buf::new(), Buf::new());
         for_chunks!(w.len(), src, |s, n, g| {
             let (wc, vc) = (&w[s..s + n], &v[s..s + n]);
@@ -162,7 +156,7 @@ multiversion! {
 
 multiversion! {
     /// `v = m v + g; w -= lr (g + m v)`
-    pub fn nesterov(w: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
+    pub fn nesterov_staged(w: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
         let (mut wb, mut vb) = (Buf::new(), Buf::new());
         for_chunks!(w.len(), src, |s, n, g| {
             let (wc, vc) = (&w[s..s + n], &v[s..s + n]);
@@ -182,7 +176,7 @@ multiversion! {
 
 multiversion! {
     /// `s += g²; w -= lr g / (√s + eps)`
-    pub fn adagrad(w: &[AtomicU32], acc: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
+    pub fn adagrad_staged(w: &[AtomicU32], acc: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
         let (mut wb, mut sb) = (Buf::new(), Buf::new());
         for_chunks!(w.len(), src, |s, n, g| {
             let (wc, sc) = (&w[s..s + n], &acc[s..s + n]);
@@ -203,7 +197,7 @@ multiversion! {
 multiversion! {
     /// Adam with torch's arithmetic: `m = lerp(m, g, 1-b1); v = b2 v + (1-b2) g²;
     /// w -= step_size m / (√v / √bc2 + eps)`
-    pub fn adam(
+    pub fn adam_staged(
         w: &[AtomicU32],
         m: &[AtomicU32],
         v: &[AtomicU32],
