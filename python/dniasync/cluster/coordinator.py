@@ -250,7 +250,8 @@ class TrainingCoordinator(Actor):
                 self.started_at = now
                 self.state = "training"
             self.report.record_event(self._wall(), EVENT_REPLICA_JOINED, replica=msg.replica,
-                                     shards=",".join(map(str, sorted(shards))))
+                                     shards=",".join(map(str, sorted(shards))),
+                                     cluster_steps=sum(r.steps for r in self.replicas.values()))
             log.info("replica %s joined; data shards %s", msg.replica, sorted(shards))
         return Assignment(
             self.plan.to_json(),

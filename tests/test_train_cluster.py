@@ -1,0 +1,209 @@
+"""Data-parallel training end to end: real processes, real sockets, the real launcher."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dniasync import ActorSystem
+from dniasync.cluster.config import parse_config
+from dniasync.cluster.coordinator import COORDINATOR_NAME, PSHost, TrainingCoordinator
+from dniasync.train.messages import JobStatus, ShardStats
+from dniasync.train.replica import Replica
+
+DIGITS = """
+[job]
+name = "{name}"
+mode = "{mode}"
+seed = 3
+output_dir = "{out}"
+
+[model]
+factory = "dniasync.train.models:mlp"
+
+[model.kwargs]
+sizes = [64, 64, 10]
+
+[data]
+dataset = "digits"
+n_train = 1400
+n_test = 397
+batch_size = 32
+
+[optimizer]
+name = "{optimizer}"
+lr = {lr}
+
+{mode_section}
+
+[stop]
+max_epochs = {epochs}
+{target}
+max_seconds = 120
+
+[eval]
+every_seconds = 0.5
+"""
+
+
+def write_job(tmp_path: Path, name: str, mode: str = "downpour", *, epochs: int = 30, target: float | None = 0.9,
+              mode_section: str | None = None) -> tuple[Path, Path]:
+    out = tmp_path / name
+    if mode_section is None:
+        mode_section = ("[downpour]\nn_replicas = 2\nn_ps_shards = 2\n" if mode == "downpour"
+                        else "[hogwild]\nn_workers = 2\n")
+    text = DIGITS.format(
+        name=name, mode=mode, out=out, epochs=epochs, mode_section=mode_section,
+        optimizer="adagrad" if mode == "downpour" else "sgd", lr=0.05 if mode == "downpour" else 0.1,
+        target="" if target is None else f"target_accuracy = {target}",
+    )
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text)
+    return path, out
+
+
+def launch(config: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def summary(out: Path) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    return doc
+
+
+def test_downpour_with_threshold_codec_trains_digits_across_processes(tmp_path: Path) -> None:
+    section = "[downpour]\nn_replicas = 2\nn_ps_shards = 2\ncodec = \"threshold\"\ntau = 0.01\nstaleness = \"inverse\""
+    config, out = write_job(tmp_path, "dp", mode_section=section)
+    proc = launch(config)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = summary(out)
+    assert doc["stop_reason"] == "reached target accuracy 0.9"
+    assert doc["final_accuracy"] >= 0.9
+    assert (out / "accuracy.png").stat().st_size > 1000
+    # pushes are quantized: far fewer bytes go up than come down
+    assert 0 < doc["bytes_pushed"] < doc["bytes_pulled"] / 5
+    assert doc["metrics"]["ps0_applied"] > 0 and doc["metrics"]["ps1_applied"] > 0
+    assert "held-out accuracy" in proc.stdout
+    # every child was stopped: none of the pids in cluster.json is still running
+    for child in json.loads((out / "cluster.json").read_text())["children"]:
+        assert not Path(f"/proc/{child['pid']}").exists() or _is_zombie(child["pid"])
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return "State:\tZ" in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+
+
+def test_hogwild_workers_share_one_store_across_processes(tmp_path: Path) -> None:
+    config, out = write_job(tmp_path, "hw", mode="hogwild")
+    proc = launch(config)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = summary(out)
+    assert doc["final_accuracy"] >= 0.9
+    joined = [e for e in doc["events"] if e["kind"] == "replica_joined"]
+    assert len(joined) == 2
+    assert not list(Path("/dev/shm").glob("dniasync-hw-*"))  # the coordinator removed the shared store
+
+
+def test_killed_replica_is_detected_and_its_shard_reassigned(tmp_path: Path) -> None:
+    config, out = write_job(tmp_path, "kill", epochs=100_000, target=None)
+    config.write_text(config.read_text().replace("max_seconds = 120", "max_seconds = 12"))
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        victim = None
+        while time.monotonic() < deadline and victim is None:
+            logs = out / "logs"
+            if (out / "cluster.json").exists() and logs.exists():
+                workers = [c for c in json.loads((out / "cluster.json").read_text())["children"]
+                           if c["role"] == "worker"]
+                # kill once the victim is training (it logs its shards)
+                if workers and "training shards" in Path(workers[0]["log"]).read_text():
+                    victim = workers[0]
+            time.sleep(0.2)
+        assert victim is not None, "the replicas never started training"
+        time.sleep(1.0)
+        os.kill(victim["pid"], signal.SIGKILL)
+        stdout, stderr = launcher.communicate(timeout=180)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, stdout + stderr
+    doc = summary(out)
+    kinds = [e["kind"] for e in doc["events"]]
+    assert "replica_failed" in kinds and "shard_reassigned" in kinds
+    failed = next(e for e in doc["events"] if e["kind"] == "replica_failed")
+    moved = next(e for e in doc["events"] if e["kind"] == "shard_reassigned")
+    assert moved["wall_s"] >= failed["wall_s"] and moved["to"] != failed["replica"]
+    assert doc["stop_reason"] == "ran 12 s"
+    survivor = moved["to"]
+    assert survivor != failed["replica"]
+    assert doc["final_accuracy"] >= 0.9
+
+
+@pytest.mark.parametrize(
+    ("edit", "key"),
+    [
+        (("n_ps_shards = 2", "n_ps_shard = 2"), "downpour.n_ps_shard"),
+        (('factory = "dniasync.train.models:mlp"', 'factory = "dniasync.train.models:nope"'), "model.factory"),
+        (("n_replicas = 2", "n_replicas = 5000"), "downpour.n_replicas"),
+    ],
+)
+@pytest.mark.parametrize("role", ["local", "coordinator"])
+def test_bad_job_configs_fail_at_start_naming_the_key(
+    tmp_path: Path, edit: tuple[str, str], key: str, role: str
+) -> None:
+    config, _ = write_job(tmp_path, "bad")
+    config.write_text(config.read_text().replace(*edit))
+    proc = subprocess.run(
+        [sys.executable, "-m", "dniasync.node", "--role", role, "--config", str(config)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert key in proc.stderr
+
+
+async def test_warm_start_late_replica_pulls_before_pushing(tmp_path: Path) -> None:
+    raw = {
+        "job": {"name": "warm", "mode": "downpour", "seed": 1, "output_dir": str(tmp_path / "warm")},
+        "model": {"factory": "dniasync.train.models:mlp", "kwargs": {"sizes": [64, 32, 10]}},
+        "data": {"dataset": "digits", "n_train": 1000, "n_test": 300, "batch_size": 16},
+        "optimizer": {"name": "adagrad", "lr": 0.05},
+        # a late replica that pushed without pulling would be ~warm_start_steps stale and dropped
+        "downpour": {"n_replicas": 2, "n_ps_shards": 1, "warm_start_steps": 40,
+                     "staleness": "bound", "max_staleness": 8},
+        "stop": {"max_epochs": 30},
+        "eval": {"every_seconds": 0.2},
+    }
+    config = parse_config(raw)
+    finished = asyncio.Event()
+    async with ActorSystem() as system:
+        trainer = await system.spawn(TrainingCoordinator, config, finished=finished, name=COORDINATOR_NAME)
+        await system.spawn(PSHost, f"{COORDINATOR_NAME}@local", name="ps-host")
+        for i in range(2):
+            await system.spawn(Replica, f"{COORDINATOR_NAME}@local", name=f"replica{i}", retry_s=0.05)
+        await asyncio.wait_for(finished.wait(), 120)
+        status = await trainer.ask(JobStatus())
+        stats = await system.lookup("ps-0").ask(ShardStats())
+    joined = [e for e in summary(tmp_path / "warm")["events"] if e["kind"] == "replica_joined"]
+    assert len(joined) == 2 and sorted(status.replicas) == ["replica0", "replica1"]
+    assert joined[0]["cluster_steps"] == 0 and joined[1]["cluster_steps"] >= 40
+    assert stats["rejected"]["stale"] == 0
+    assert stats["applied"] > 0

@@ -1,0 +1,121 @@
+"""PS shard semantics, exact numbers: idempotent pushes, fencing, staleness, bad gradients."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dniasync import ActorSystem
+from dniasync.train.compression import make_codec
+from dniasync.train.messages import Fence, Params, Pull, Push, ShardStats
+from dniasync.train.ps import PSShard, ShardSettings
+from dniasync.train.staleness import StalenessPolicy
+
+N = 8
+
+
+def push(seq: int, grad: float | np.ndarray, *, replica: str = "r0", incarnation: int = 1, version: int = 0) -> Push:
+    values = np.full(N, grad, dtype=np.float32) if isinstance(grad, float) else grad
+    return Push(replica, incarnation, seq, version, "none", values.view(np.uint8), 32)
+
+
+async def spawn_shard(system: ActorSystem, **settings: object) -> object:
+    return await system.spawn(PSShard, 0, np.zeros(N, np.float32), ShardSettings(optimizer="sgd", **settings),
+                              name="ps-0")
+
+
+async def values(ref: object) -> tuple[int, np.ndarray]:
+    reply: Params = await ref.ask(Pull())  # type: ignore[attr-defined]
+    return reply.version, reply.values
+
+
+async def test_a_push_is_applied_once_however_often_it_arrives() -> None:
+    async with ActorSystem() as system:
+        shard = await spawn_shard(system, lr=1.0)
+        base, _ = await values(shard)
+        for _ in range(3):
+            await shard.tell(push(1, 1.0, version=base))  # type: ignore[attr-defined]
+        await shard.tell(push(2, 1.0, version=base))  # type: ignore[attr-defined]
+        version, w = await values(shard)
+        assert version == base + 2
+        np.testing.assert_array_equal(w, np.full(N, -2.0, np.float32))
+        stats = await shard.ask(ShardStats())  # type: ignore[attr-defined]
+        assert stats["applied"] == 2 and stats["rejected"]["duplicate"] == 2
+
+
+async def test_old_incarnations_and_fenced_replicas_are_refused() -> None:
+    async with ActorSystem() as system:
+        shard = await spawn_shard(system, lr=1.0)
+        await shard.tell(push(5, 1.0, incarnation=2))  # type: ignore[attr-defined]
+        await shard.tell(push(9, 1.0, incarnation=1))  # type: ignore[attr-defined]  # a zombie of the old process
+        await shard.tell(Fence("r1"))  # type: ignore[attr-defined]
+        await shard.tell(push(1, 1.0, replica="r1"))  # type: ignore[attr-defined]
+        _, w = await values(shard)
+        np.testing.assert_array_equal(w, np.full(N, -1.0, np.float32))
+        stats = await shard.ask(ShardStats())  # type: ignore[attr-defined]
+        assert stats["rejected"]["zombie"] == 2
+
+
+async def test_inverse_staleness_divides_the_learning_rate() -> None:
+    async with ActorSystem() as system:
+        shard = await spawn_shard(system, lr=0.5, staleness=StalenessPolicy("inverse"))
+        base, _ = await values(shard)
+        # all three computed on the base version: staleness 0, 1, 2 -> lr 0.5, 0.5, 0.25
+        for seq in (1, 2, 3):
+            await shard.tell(push(seq, 1.0, version=base))  # type: ignore[attr-defined]
+        version, w = await values(shard)
+        assert version == base + 3
+        np.testing.assert_allclose(w, np.full(N, -1.25, np.float32))
+        stats = await shard.ask(ShardStats())  # type: ignore[attr-defined]
+        assert stats["staleness_sum"] == 3 and stats["staleness_counts"][:3] == [1, 1, 1]
+
+
+async def test_bound_staleness_drops_and_counts_stale_pushes() -> None:
+    async with ActorSystem() as system:
+        shard = await spawn_shard(system, lr=1.0, staleness=StalenessPolicy("bound", max_staleness=1))
+        base, _ = await values(shard)
+        for seq in (1, 2, 3, 4):
+            await shard.tell(push(seq, 1.0, version=base))  # type: ignore[attr-defined]  # staleness 0, 1, 2, 2
+        await shard.tell(push(5, 1.0, version=base + 2))  # type: ignore[attr-defined]  # fresh again
+        version, w = await values(shard)
+        assert version == base + 3
+        np.testing.assert_array_equal(w, np.full(N, -3.0, np.float32))
+        stats = await shard.ask(ShardStats())  # type: ignore[attr-defined]
+        assert stats["rejected"]["stale"] == 2
+
+
+async def test_nonfinite_gradients_are_rejected_and_counted() -> None:
+    async with ActorSystem() as system:
+        shard = await spawn_shard(system, lr=1.0)
+        base, _ = await values(shard)
+        bad = np.ones(N, np.float32)
+        bad[3] = np.nan
+        await shard.tell(push(1, bad, version=base))  # type: ignore[attr-defined]
+        await shard.tell(push(2, 1.0, version=base))  # type: ignore[attr-defined]
+        version, w = await values(shard)
+        assert version == base + 1 and np.isfinite(w).all()
+        np.testing.assert_array_equal(w, np.full(N, -1.0, np.float32))
+        stats = await shard.ask(ShardStats())  # type: ignore[attr-defined]
+        assert stats["rejected"]["nonfinite"] == 1
+
+
+async def test_quantized_pushes_apply_straight_into_the_store() -> None:
+    tau = 0.25
+    async with ActorSystem() as system:
+        shard = await system.spawn(
+            PSShard, 0, np.zeros(N, np.float32), ShardSettings(optimizer="sgd", lr=1.0, codec="threshold", tau=tau),
+            name="ps-0",
+        )
+        codec = make_codec("threshold", N, tau=tau)
+        grad = np.array([0.3, -0.3, 0.1, 0.0, 0.5, -0.6, 0.2, 0.24], np.float32)
+        sent = codec.compress(grad)
+        await shard.tell(Push("r0", 1, 1, 0, "threshold", sent.payload, 32))  # type: ignore[attr-defined]
+        _, w = await values(shard)
+        # +-tau where the value reached tau, the rest stays in the sender's residual
+        np.testing.assert_allclose(w, -np.array([tau, -tau, 0, 0, tau, -tau, 0, 0], np.float32))
+        np.testing.assert_allclose(codec.residual(), grad - np.array([tau, -tau, 0, 0, tau, -tau, 0, 0]), atol=1e-7)
+
+
+def test_unknown_staleness_policy_is_an_error() -> None:
+    with pytest.raises(ValueError, match="unknown staleness policy"):
+        StalenessPolicy("random")
