@@ -231,7 +231,8 @@ class WebSocketTransport:
         reason = peer.reason if peer is not None else ""
         if not up:
             self.counters.peers_lost += 1
-            log.warning("peer %s is down: %s", node, reason)
+            quiet = self._closing or reason == "closed by peer"  # an orderly goodbye, not a failure
+            log.log(logging.INFO if quiet else logging.WARNING, "peer %s is down: %s", node, reason)
         else:
             log.info("peer %s is up", node)
         for listener in list(self._listeners):
