@@ -13,7 +13,7 @@ pub trait GradSource {
     }
 
     /// Elements `start..start + buf.len()`: either borrowed from the source or decoded into `buf`.
-    /// Called with increasing `start`, chunks never overlapping.
+    /// Called once per chunk, in any order (passes may start mid-vector and wrap around).
     fn chunk<'a>(&'a mut self, start: usize, buf: &'a mut [f32]) -> &'a [f32];
 
     /// Squared L2 norm (NaN or Inf when some element is not finite).

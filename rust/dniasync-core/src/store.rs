@@ -91,6 +91,8 @@ pub struct ParamStore {
     n_params: usize,
     data_offset: usize,
     allow_nonfinite: AtomicBool,
+    /// Numbers passes so that concurrent ones start at different chunks.
+    tickets: AtomicU64,
 }
 
 impl ParamStore {
@@ -226,6 +228,7 @@ impl ParamStore {
             index,
             layout,
             allow_nonfinite: AtomicBool::new(false),
+            tickets: AtomicU64::new(u64::from(std::process::id())),
         }
     }
 
@@ -324,6 +327,10 @@ impl ParamStore {
         Ok(self.counters(seg).steps.load(Ordering::Acquire))
     }
 
+    fn ticket(&self) -> u64 {
+        self.tickets.fetch_add(1, Ordering::Relaxed)
+    }
+
     fn bump(&self, seg: usize) -> u64 {
         // Release: whoever acquires this version also sees the cells written before it.
         self.counters(seg).version.fetch_add(1, Ordering::Release) + 1
@@ -418,7 +425,8 @@ impl ParamStore {
         let cfg = self.layout.config;
         let gscale = self.prescan(src, cfg.clip_norm)?;
         let t = self.counters(seg).steps.fetch_add(1, Ordering::AcqRel) + 1;
-        let hp = optim::Hyper::new(&cfg, lr, gscale, t);
+        let mut hp = optim::Hyper::new(&cfg, lr, gscale, t);
+        hp.first_chunk = optim::first_chunk(self.ticket(), s.len);
         let w = self.cells(seg, 0)?;
         if let Some((codes, tau)) = src.sparse() {
             if optim::sparse_ok(&cfg) {
@@ -459,7 +467,7 @@ impl ParamStore {
         self.prescan(src, None)?;
         match src.sparse() {
             Some((codes, tau)) => optim::sparse_add(w, codes, alpha * tau),
-            None => optim::axpy(w, src, alpha),
+            None => optim::axpy(w, src, alpha, optim::first_chunk(self.ticket(), w.len())),
         }
         Ok(self.bump(seg))
     }

@@ -67,17 +67,12 @@ macro_rules! eff {
     };
 }
 
-/// Walks the source chunk by chunk: `$body` runs for each full vector at `$i` with the
+/// Walks the source chunk by chunk (as `for_chunks`): `$body` runs for each full vector at `$i` with the
 /// gradient vector `$gv`, then `$tail` with the range and gradient of what is left.
 macro_rules! kernel {
-    ($len:expr, $src:expr, |$s:ident, $i:ident, $gv:ident| $body:block,
-     |$ts:ident, $tg:ident| $tail:block) => {{
-        let mut gbuf = crate::simd::Buf::new();
-        let len = $len;
-        let mut $s = 0usize;
-        while $s < len {
-            let n = CHUNK.min(len - $s);
-            let g: &[f32] = $src.chunk($s, &mut gbuf.0[..n]);
+    ($len:expr, $src:expr, $first:expr, |$s:ident, $i:ident, $gv:ident| $body:block,
+     |$ts:ident, $tg:ident| $tail:block) => {
+        super::for_chunks!($len, $src, $first, |$s, n, g| {
             let wide = n & !15;
             let mut $i = 0;
             while $i < wide {
@@ -90,9 +85,8 @@ macro_rules! kernel {
                 let $tg = &g[wide..];
                 $tail
             }
-            $s += n;
-        }
-    }};
+        })
+    };
 }
 
 #[target_feature(enable = "avx512f")]
@@ -101,6 +95,7 @@ pub(super) unsafe fn sgd(w: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
     kernel!(
         w.len(),
         src,
+        h.first_chunk,
         |s, i, gv| {
             let wv = load!(w, s + i);
             let d = eff!(c, gv, wv);
@@ -123,6 +118,7 @@ pub(super) unsafe fn momentum(
     kernel!(
         w.len(),
         src,
+        h.first_chunk,
         |s, i, gv| {
             let (wv, vv) = (load!(w, s + i), load!(v, s + i));
             let v2 = _mm512_add_ps(_mm512_mul_ps(c.mu, vv), eff!(c, gv, wv));
@@ -146,6 +142,7 @@ pub(super) unsafe fn nesterov(
     kernel!(
         w.len(),
         src,
+        h.first_chunk,
         |s, i, gv| {
             let (wv, vv) = (load!(w, s + i), load!(v, s + i));
             let d = eff!(c, gv, wv);
@@ -171,6 +168,7 @@ pub(super) unsafe fn adagrad(
     kernel!(
         w.len(),
         src,
+        h.first_chunk,
         |s, i, gv| {
             let (wv, av) = (load!(w, s + i), load!(acc, s + i));
             let d = eff!(c, gv, wv);
@@ -198,6 +196,7 @@ pub(super) unsafe fn adam(
     kernel!(
         w.len(),
         src,
+        h.first_chunk,
         |s, i, gv| {
             let (wv, mv, vv) = (load!(w, s + i), load!(m, s + i), load!(v, s + i));
             let d = eff!(c, gv, wv);

@@ -20,6 +20,8 @@ pub struct Hyper {
     pub step_size: f32,
     /// Adam: `sqrt(1 - beta2^t)`.
     pub bc2_sqrt: f32,
+    /// Chunk the pass starts from (see `first_chunk`).
+    pub first_chunk: usize,
 }
 
 impl Hyper {
@@ -34,6 +36,7 @@ impl Hyper {
             eps: 0.0,
             step_size: lr,
             bc2_sqrt: 1.0,
+            first_chunk: 0,
         };
         match cfg.optimizer {
             Optimizer::Sgd => {}
@@ -58,20 +61,30 @@ impl Hyper {
 }
 
 /// Runs `$body` with `$s` (start), `$n` (length) and `$g` (gradient chunk) bound, chunk by
-/// chunk. A macro rather than a closure: closures are compiled without the target features
-/// of the function they sit in, which would lose the vector code.
+/// chunk, starting at chunk `$first` and wrapping around. A macro rather than a closure:
+/// closures are compiled without the target features of the function they sit in, which
+/// would lose the vector code.
 macro_rules! for_chunks {
-    ($len:expr, $src:expr, |$s:ident, $n:ident, $g:ident| $body:block) => {{
-        let mut gbuf = Buf::new();
+    ($len:expr, $src:expr, $first:expr, |$s:ident, $n:ident, $g:ident| $body:block) => {{
+        let mut gbuf = crate::simd::Buf::new();
         let len = $len;
-        let mut $s = 0usize;
-        while $s < len {
+        let chunks = len.div_ceil(CHUNK);
+        for k in 0..chunks {
+            let $s = ((k + $first) % chunks) * CHUNK;
             let $n = CHUNK.min(len - $s);
             let $g: &[f32] = $src.chunk($s, &mut gbuf.0[..$n]);
             $body
-            $s += $n;
         }
     }};
+}
+pub(crate) use for_chunks;
+
+/// The chunk a pass starts from: concurrent passes over one segment (Hogwild) start far
+/// apart instead of fighting over the same cache lines in lockstep.
+pub fn first_chunk(ticket: u64, len: usize) -> usize {
+    let chunks = len.div_ceil(CHUNK).max(1);
+    // Golden-ratio spacing keeps any few consecutive tickets well apart.
+    ((ticket as f64 * 0.618_033_988_749_895).fract() * chunks as f64) as usize % chunks
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -124,7 +137,7 @@ multiversion! {
     /// `w -= lr * g`
     pub fn sgd_staged(w: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
         let mut wb = Buf::new();
-        for_chunks!(w.len(), src, |s, n, g| {
+        for_chunks!(w.len(), src, h.first_chunk, |s, n, g| {
             let (wc, wl) = (&w[s..s + n], &mut wb.0[..n]);
             load_cells(wc, wl);
             for (w, &g) in wl.iter_mut().zip(g) {
@@ -139,7 +152,7 @@ multiversion! {
     /// `v = m v + g; w -= lr v`
     pub fn momentum_staged(w: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
         let (mut wb, mut vb) = (Buf::new(), Buf::new());
-        for_chunks!(w.len(), src, |s, n, g| {
+        for_chunks!(w.len(), src, h.first_chunk, |s, n, g| {
             let (wc, vc) = (&w[s..s + n], &v[s..s + n]);
             let (wl, vl) = (&mut wb.0[..n], &mut vb.0[..n]);
             load_cells(wc, wl);
@@ -158,7 +171,7 @@ multiversion! {
     /// `v = m v + g; w -= lr (g + m v)`
     pub fn nesterov_staged(w: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
         let (mut wb, mut vb) = (Buf::new(), Buf::new());
-        for_chunks!(w.len(), src, |s, n, g| {
+        for_chunks!(w.len(), src, h.first_chunk, |s, n, g| {
             let (wc, vc) = (&w[s..s + n], &v[s..s + n]);
             let (wl, vl) = (&mut wb.0[..n], &mut vb.0[..n]);
             load_cells(wc, wl);
@@ -178,7 +191,7 @@ multiversion! {
     /// `s += g²; w -= lr g / (√s + eps)`
     pub fn adagrad_staged(w: &[AtomicU32], acc: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
         let (mut wb, mut sb) = (Buf::new(), Buf::new());
-        for_chunks!(w.len(), src, |s, n, g| {
+        for_chunks!(w.len(), src, h.first_chunk, |s, n, g| {
             let (wc, sc) = (&w[s..s + n], &acc[s..s + n]);
             let (wl, sl) = (&mut wb.0[..n], &mut sb.0[..n]);
             load_cells(wc, wl);
@@ -206,7 +219,7 @@ multiversion! {
     ) {
         let (mut wb, mut mb, mut vb) = (Buf::new(), Buf::new(), Buf::new());
         let (a1, a2) = (1.0 - h.beta1, 1.0 - h.beta2);
-        for_chunks!(w.len(), src, |s, n, g| {
+        for_chunks!(w.len(), src, h.first_chunk, |s, n, g| {
             let (wc, mc, vc) = (&w[s..s + n], &m[s..s + n], &v[s..s + n]);
             let (wl, ml, vl) = (&mut wb.0[..n], &mut mb.0[..n], &mut vb.0[..n]);
             load_cells(wc, wl);
@@ -227,9 +240,9 @@ multiversion! {
 
 multiversion! {
     /// `w += alpha * d`
-    pub fn axpy(w: &[AtomicU32], src: &mut dyn GradSource, alpha: f32) {
+    pub fn axpy(w: &[AtomicU32], src: &mut dyn GradSource, alpha: f32, first: usize) {
         let mut wb = Buf::new();
-        for_chunks!(w.len(), src, |s, n, d| {
+        for_chunks!(w.len(), src, first, |s, n, d| {
             let (wc, wl) = (&w[s..s + n], &mut wb.0[..n]);
             load_cells(wc, wl);
             for (w, &d) in wl.iter_mut().zip(d) {

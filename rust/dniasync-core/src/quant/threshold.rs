@@ -249,6 +249,20 @@ impl GradSource for ThresholdGrad<'_> {
     fn chunk<'b>(&'b mut self, start: usize, buf: &'b mut [f32]) -> &'b [f32] {
         buf.fill(0.0);
         let end = start + buf.len();
+        // Chunks usually come in order; after a wrap-around, find the first code again.
+        let at_cursor = self
+            .codes
+            .get(self.cursor)
+            .map(|&c| (c & !SIGN_BIT) as usize);
+        let before = self
+            .cursor
+            .checked_sub(1)
+            .map(|k| (self.codes[k] & !SIGN_BIT) as usize);
+        if at_cursor.is_some_and(|i| i < start) || before.is_some_and(|i| i >= start) {
+            self.cursor = self
+                .codes
+                .partition_point(|&c| ((c & !SIGN_BIT) as usize) < start);
+        }
         while let Some(&c) = self.codes.get(self.cursor) {
             let i = (c & !SIGN_BIT) as usize;
             if i >= end {
