@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import cProfile
 import io
+import logging
 import os
 import pstats
 import re
@@ -116,9 +117,22 @@ def serve_bare_ws() -> None:
             await ws.send_bytes(msg.data)
         return ws
 
+    async def sink(request: web.Request) -> web.WebSocketResponse:
+        """Counts messages; answers b"ok" after ``n`` of them (one-way throughput)."""
+        ws = web.WebSocketResponse(compress=False, max_msg_size=1 << 30)
+        await ws.prepare(request)
+        n, seen = int(request.query["n"]), 0
+        async for _ in ws:
+            seen += 1
+            if seen == n:
+                await ws.send_bytes(b"ok")
+                seen = 0
+        return ws
+
     async def main() -> None:
         app = web.Application()
         app.router.add_get("/echo", echo)
+        app.router.add_get("/sink", sink)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         sock = socket.socket()
@@ -176,6 +190,20 @@ async def dniasync_tensors(address: str, n: int, mib: int) -> float:
         return n * data.nbytes / elapsed
 
 
+async def bare_ws_tensors(address: str, n: int, mib: int) -> float:
+    import aiohttp
+
+    data = np.random.default_rng(0).standard_normal(mib * MIB // 4).astype(np.float32).tobytes()
+    async with aiohttp.ClientSession() as session:
+        url = f"http://{address}/sink?n={n}"
+        async with session.ws_connect(url, compress=0, max_msg_size=1 << 30) as ws:
+            start = time.perf_counter()
+            for _ in range(n):
+                await ws.send_bytes(data)
+            await ws.receive()  # the sink has them all
+            return n * len(data) / (time.perf_counter() - start)
+
+
 def gloo_rank(rank: int, port: int, n: int, mib: int) -> None:
     """Child process: one end of a gloo send/recv stream; rank 0 prints bytes/s."""
     import torch
@@ -222,24 +250,32 @@ def gloo_tensors(n: int, mib: int) -> float:
 # -- profile -------------------------------------------------------------------------------
 
 
-async def _both_ends(n: int) -> None:
+async def _both_ends(n_ask: int, n_tensor: int) -> None:
     async with ActorSystem() as server, WebSocketTransport(server) as node:
         await server.spawn(Echo, name="echo")
+        await server.spawn(Sum, name="sum")
         async with ActorSystem() as client, WebSocketTransport(client):
             echo = client.ref(f"echo@{node.address}")
-            for _ in range(n):
+            for _ in range(n_ask):
                 await echo.ask(Ping(1))
+            sink = client.ref(f"sum@{node.address}")
+            msg = Tensor(np.ones(MIB, dtype=np.float32))
+            for _ in range(n_tensor):
+                await sink.tell(msg)
+            await sink.ask(Ping(0))
 
 
-def profile(n: int) -> str:
-    profiler = cProfile.Profile()
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        profiler.enable()
-        runner.run(_both_ends(n))
-        profiler.disable()
+def profile(n_ask: int, n_tensor: int) -> str:
+    """cProfile of both ends in one process: asks, then 4 MiB tells."""
     out = io.StringIO()
-    stats = pstats.Stats(profiler, stream=out)
-    stats.sort_stats("tottime").print_stats(25)
+    for label, args in (("small asks", (n_ask, 0)), ("4 MiB tensor tells", (0, n_tensor))):
+        profiler = cProfile.Profile()
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            profiler.enable()
+            runner.run(_both_ends(*args))
+            profiler.disable()
+        out.write(f"=== {label}: {args} ===\n")
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(20)
     return out.getvalue()
 
 
@@ -264,9 +300,10 @@ def main() -> None:
         gloo_rank(args.gloo_rank, args.gloo_port, args.n, args.mib)
         return
 
+    logging.getLogger("dniasync").setLevel(logging.ERROR)  # peers going away at the end are expected
     n_ask, n_ray, n_tensor, repeats = (3_000, 500, 40, 1) if args.quick else (20_000, 3_000, 250, 3)
     results: dict[str, float] = {}
-    bare, dni, ray_rates, dni_tensor, gloo = [], [], [], [], []
+    bare, dni, dni_tensor, gloo, bare_tensor = [], [], [], [], []
     with child(dniasync_node()) as (_, node), child([sys.executable, __file__, "--serve-ws"]) as (_, ws):
         for _ in range(repeats):  # interleaved, so drift on a shared machine hits both alike
             bare.append(run_async(bare_ws_ask(ws, n_ask)))
@@ -274,11 +311,13 @@ def main() -> None:
         for _ in range(repeats):
             gloo.append(gloo_tensors(n_tensor, 4))
             dni_tensor.append(run_async(dniasync_tensors(node, n_tensor, 4)))
+            bare_tensor.append(run_async(bare_ws_tensors(ws, n_tensor, 4)))
     ray_rate = ray_ask(n_ray)
     results["bare_ws_ask_per_s"] = max(bare)
     results["dniasync_ask_per_s"] = max(dni)
     results["dniasync_tensor_bytes_per_s"] = max(dni_tensor)
     results["gloo_tensor_bytes_per_s"] = max(gloo)
+    results["bare_ws_tensor_bytes_per_s"] = max(bare_tensor)
     ratios = {
         "ask_vs_bare_ws": results["dniasync_ask_per_s"] / results["bare_ws_ask_per_s"],
         "tensor_throughput_vs_gloo": results["dniasync_tensor_bytes_per_s"] / results["gloo_tensor_bytes_per_s"],
@@ -293,6 +332,8 @@ def main() -> None:
         rows.append(("small ask: Ray actor call", f"{ray_rate:,.0f}/s", f"dniasync is {ratios['ask_vs_ray']:.1f}x Ray"))
     rows += [
         ("4 MiB tensors: gloo send/recv", f"{results['gloo_tensor_bytes_per_s'] / 1e9:.2f} GB/s", "1.00 (reference)"),
+        ("4 MiB tensors: bare aiohttp ws", f"{results['bare_ws_tensor_bytes_per_s'] / 1e9:.2f} GB/s",
+         f"{results['bare_ws_tensor_bytes_per_s'] / results['gloo_tensor_bytes_per_s']:.2f} of gloo"),
         ("4 MiB tensors: dniasync tell", f"{results['dniasync_tensor_bytes_per_s'] / 1e9:.2f} GB/s",
          f"{ratios['tensor_throughput_vs_gloo']:.2f} of gloo"),
     ]
@@ -301,7 +342,7 @@ def main() -> None:
     _common.say(f"wrote {path}")
     _plot(results, path.with_suffix(".png"))
     if args.profile:
-        text = profile(2_000 if args.quick else 10_000)
+        text = profile(2_000, 20) if args.quick else profile(10_000, 100)
         out = _common.RESULTS / "bench_remote_profile.txt"
         out.write_text(text)
         _common.say(f"wrote {out}")

@@ -124,15 +124,16 @@ class Connection:
     def send_nowait(self, op: int, frame: Encoded, *, bounded: bool = True) -> None:
         """Write a small frame at once, or queue it; ``MailboxFull`` past ``outbox_size`` if ``bounded``."""
         if not self.outbox and not self._draining and frame.payload_len <= self._part_bytes:
-            self.write_now(frame.single(op))
+            if not self.write_now(frame.single(op)) and op == OP_TELL:
+                self.transport.counters.dropped_tells += 1
             return
         if bounded and len(self.outbox) >= self.transport.settings.outbox_size:
             raise MailboxFull(f"outbox to {self.peer.node} full ({len(self.outbox)} frames)")
         self.outbox.append((op, frame))
         self._wake.set()
 
-    def write_now(self, data: bytes) -> None:
-        """Write one websocket message synchronously (replies from a handler's thread of control).
+    def write_now(self, data: bytes) -> bool:
+        """Write one websocket message synchronously; False if the connection just broke.
 
         aiohttp writes an uncompressed frame before its first suspension point
         (the wait for the transport to drain), so stepping the coroutine once
@@ -144,12 +145,17 @@ class Connection:
             waiting = coro.send(None)
         except StopIteration:
             pass
+        except (ConnectionError, aiohttp.ClientError, RuntimeError) as exc:
+            # never raise into the caller (often an actor handing back a reply): the peer is down
+            self.transport.connection_lost(self, f"send failed: {exc}")
+            return False
         else:
             self._draining = True
             self._drained.clear()
             self.transport.spawn_task(self._finish_send(coro, waiting), f"ws-drain:{self.peer.node}")
         self.transport.counters.bytes_out += len(data)
         self.transport.counters.frames_out += 1
+        return True
 
     async def _finish_send(self, coro: Coroutine[Any, Any, None], waiting: Any) -> None:
         try:
@@ -244,6 +250,9 @@ class Connection:
                     break
         except (ConnectionError, aiohttp.ClientError) as exc:
             reason = f"connection error: {exc}"
+        except Exception as exc:  # a bug must cost this connection, not the node's transport
+            log.exception("connection to %s failed", self.peer.node)
+            reason = f"internal error: {exc!r}"
         finally:
             self.transport.connection_lost(self, reason)
             await self.close()

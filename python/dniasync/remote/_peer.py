@@ -175,7 +175,8 @@ class RemoteDestination:
         try:
             conn = peer.conn or await peer.connection(self.address)
             if conn.can_write_now(frame):
-                conn.write_now(frame.single(OP_TELL))
+                if not conn.write_now(frame.single(OP_TELL)):
+                    raise ConnectionError("connection lost")
                 await conn.drained()  # backpressure: returns at once unless the socket is full
             else:
                 await conn.send(OP_TELL, frame)

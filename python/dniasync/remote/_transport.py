@@ -274,7 +274,7 @@ class WebSocketTransport:
                 peer.attempted.clear()
                 try:
                     await self._dial(peer)
-                except (OSError, aiohttp.ClientError, PermissionError, ValueError, TimeoutError) as exc:
+                except Exception as exc:  # refused, timed out, wrong token, or a peer speaking nonsense
                     if peer.state == NEW:
                         peer.state = DOWN
                     peer.reason = f"cannot connect: {exc}"
