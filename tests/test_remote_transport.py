@@ -183,3 +183,18 @@ async def test_nodes_dialing_each_other_at_once_settle_on_one_connection() -> No
 def test_refuses_to_listen_beyond_loopback_without_a_token() -> None:
     with pytest.raises(ValueError, match="without a cluster token"):
         WebSocketTransport(ActorSystem(), "0.0.0.0:0")
+
+
+async def test_a_peer_gone_for_good_is_forgotten_and_dialed_afresh_when_referenced() -> None:
+    async with two_nodes(heartbeat_s=0.1, detect_s=0.5, backoff_min_s=0.05, backoff_max_s=0.1, give_up_s=0.5) as (a, b):
+        await b.system.spawn(Recorder, name="rec")
+        rec = a.system.ref(f"rec@{b.address}")
+        await rec.ask(Read(), timeout=5)
+        await b.close()
+        for _ in range(60):
+            if b.address not in a.peer_states():
+                break
+            await asyncio.sleep(0.05)
+        assert b.address not in a.peer_states()
+        with pytest.raises(ActorUnreachable, match="unreachable"):
+            await rec.ask(Read(), timeout=5)

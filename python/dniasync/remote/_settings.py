@@ -28,6 +28,8 @@ class RemoteSettings:
     backoff_min_s: float = 0.1
     backoff_max_s: float = 5.0
     """Reconnect delays: jittered exponential between these."""
+    give_up_s: float = 300.0
+    """A peer unreachable for this long is forgotten (no more redialing) until referenced again."""
     outbox_size: int = 10_000
     """Frames queued for one peer by ``tell_nowait``/replies before ``MailboxFull``."""
     overflow_size: int = 10_000

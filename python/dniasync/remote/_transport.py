@@ -263,8 +263,16 @@ class WebSocketTransport:
         settings = self.settings
         attempt = 0
         reconnecting = peer.state == DOWN
+        started = asyncio.get_running_loop().time()
         try:
             while not peer.forgotten and not self._closing and peer.state != UP:
+                if asyncio.get_running_loop().time() - started > settings.give_up_s:
+                    # gone for good (or never listening): forget it; a later ref dials afresh
+                    log.info("giving up on %s after %.0f s: %s", peer.node, settings.give_up_s, peer.reason)
+                    peer.forgotten = True
+                    if self._peers.get(peer.node) is peer:
+                        del self._peers[peer.node]
+                    break
                 if attempt or reconnecting:
                     cap = min(settings.backoff_max_s, settings.backoff_min_s * 2**attempt)
                     await asyncio.sleep(random.uniform(cap / 2, cap))
