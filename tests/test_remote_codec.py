@@ -196,6 +196,15 @@ def test_stream_announcing_more_than_the_limit_is_refused_before_allocating() ->
         Decoder(resolve, limits).feed(data)
 
 
+def test_streams_together_may_not_reserve_more_than_the_budget() -> None:
+    decoder = Decoder(resolve, Limits(max_message_bytes=1 << 20, max_pending_bytes=3 << 19))
+    for stream in (1, 2, 3):
+        frame = FRAME_PREFIX.pack(VERSION, OP_REPLY, 1, 1, stream, 1 << 19) + msgpack.packb(None)
+        assert decoder.feed(frame) is None
+    with pytest.raises(DecodeError, match="more than"):
+        decoder.feed(FRAME_PREFIX.pack(VERSION, OP_REPLY, 1, 1, 4, 1) + msgpack.packb(None))
+
+
 def test_parts_beyond_the_announced_size_or_of_unknown_streams_are_fatal() -> None:
     decoder = Decoder(resolve)
     assert decoder.feed(raw_frame(OP_REPLY, [None, "", None, 1, None], flags=1, announce=1024)) is None

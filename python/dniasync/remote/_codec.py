@@ -90,6 +90,8 @@ class Limits:
     """Payloads above this are streamed in parts of this size."""
     max_streams: int = 64
     """Streamed messages being assembled at once on one connection."""
+    max_pending_bytes: int = 2 << 30
+    """Bytes reserved at once for streamed messages being assembled on one connection."""
     max_depth: int = 32
     """Nesting depth of messages inside messages."""
 
@@ -259,12 +261,13 @@ class Decoder:
         self._resolve_ref = resolve_ref
         self.limits = limits
         self._streams: dict[int, _Stream] = {}
+        self._pending = 0
         self._context = _Context(resolve_ref, limits.max_depth)
 
     @property
     def pending_bytes(self) -> int:
         """Bytes reserved for streamed messages not yet complete."""
-        return sum(len(s.buffer) for s in self._streams.values())
+        return self._pending
 
     def feed(self, data: bytes) -> Frame | None:
         """Decode one websocket message: a frame, or None for a part of one.
@@ -300,7 +303,10 @@ class Decoder:
                 raise DecodeError(f"stream {stream_id} is already open")
             if len(self._streams) >= limits.max_streams:
                 raise DecodeError(f"more than {limits.max_streams} streamed messages at once")
+            if self._pending + payload_len > limits.max_pending_bytes:
+                raise DecodeError(f"streamed messages would hold more than {limits.max_pending_bytes} bytes")
             self._streams[stream_id] = _Stream(op, data[start:end], payload_len)
+            self._pending += payload_len
             return None
         if size != end + payload_len:
             raise DecodeError(
@@ -323,6 +329,7 @@ class Decoder:
         if end < len(stream.buffer):
             return None
         del self._streams[stream_id]
+        self._pending -= len(stream.buffer)
         return self._finish(stream.op, stream.header, stream.buffer)
 
     def _finish(self, op: int, raw: bytes, payload: bytearray) -> Frame:
