@@ -111,13 +111,23 @@ class ParamStore:
     def steps(self, segment: str) -> int:
         """Optimizer steps applied to the segment (Adam's bias-correction count)."""
     def view(self, segment: str | None = None, state: int = 0) -> NDArray[np.float32]:
-        """Zero-copy writable view of a segment (all parameters when None); state 1.. = optimizer state."""
+        """Zero-copy writable view of a segment (all parameters when None); state 1.. = optimizer state.
+
+        The array keeps the store alive. It sees every update as it lands (no version
+        guarantee: use ``read_into`` for a consistent copy); writes through it race with
+        concurrent updates exactly like Hogwild updates do.
+        """
     def read_into(self, segment: str, out: NDArray[np.float32], state: int = 0) -> int:
         """Copy the segment into ``out``; return the version read (all updates up to it are in)."""
     def write(self, segment: str, values: NDArray[np.float32], state: int = 0) -> int:
         """Overwrite the segment; return the new version."""
     def step(self, segment: str, grad: NDArray[np.float32], lr: float) -> int:
-        """One fused optimizer step (weight decay, clipping, update); return the new version."""
+        """One fused optimizer step (weight decay, clipping, update); return the new version.
+
+        ``lr`` is per call (divide it by the staleness if you like). Under the default
+        ``"reject"`` policy the gradient is scanned first and a NaN/Inf raises
+        NonFiniteGradientError, leaving the store untouched.
+        """
     def add(self, segment: str, delta: NDArray[np.float32], alpha: float = 1.0) -> int:
         """Hogwild ``w += alpha * delta``; return the new version."""
     def add_exact(self, segment: str, delta: NDArray[np.float32], alpha: float = 1.0) -> int:
