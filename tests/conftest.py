@@ -115,5 +115,5 @@ def start_node(tmp_path: Path) -> Iterator[Callable[..., NodeProcess]]:
         return node
 
     yield start
-    for node in started:
+    for node in reversed(started):  # members first, so they can still say goodbye to the coordinator
         node.stop()

@@ -259,8 +259,9 @@ def test_no_pickle_marshal_or_eval_in_the_network_path() -> None:
 
 plain = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False) | st.text(max_size=20)
-    | st.binary(max_size=20),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    | st.binary(max_size=20) | st.just([]) | st.just({}),
+    lambda children: st.lists(children, min_size=1, max_size=4)
+    | st.dictionaries(st.text(max_size=8), children, min_size=1, max_size=4),
     max_leaves=20,
 )
 arrays = st.builds(
