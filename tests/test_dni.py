@@ -334,3 +334,34 @@ def test_batch_order_is_seeded() -> None:
     b = [idx.tolist() for _, idx in batch_order(10, 4, 2, seed=1)]
     assert a == b and len(a) == 6 and len(a[2]) == 2
     assert sorted(sum(a[:3], [])) == list(range(10))
+
+
+@pytest.mark.parametrize("synthetic_inputs", [False, True])
+async def test_mailboxes_of_twice_the_window_never_deadlock(
+    digits: tuple[torch.Tensor, ...], synthetic_inputs: bool
+) -> None:
+    """Forwards go down and gradients up through bounded mailboxes; the window keeps them from filling."""
+    x, y = digits[0][:640], digits[1][:640]
+    window = 3
+    settings = DNISettings(synthetic_inputs=synthetic_inputs)
+    async with ActorSystem() as system:
+        refs = await spawn_layer_groups(
+            system, mlp(), GROUPS, settings, 64, mailbox_size=(3 if synthetic_inputs else 2) * window
+        )
+        async with PipelineDriver(
+            system, refs, max_in_flight=window, synthetic_inputs=synthetic_inputs, stall_timeout_s=10
+        ) as driver:
+            async with asyncio.timeout(30):
+                result = await driver.train(x, y, epochs=2, batch_size=8)
+    assert [s.steps for s in result.stats] == [160, 320, 320] if synthetic_inputs else [160, 160, 160]
+
+
+async def test_mailboxes_too_small_for_the_window_are_reported_not_hung(digits: tuple[torch.Tensor, ...]) -> None:
+    x, y = digits[0][:640], digits[1][:640]
+    settings = DNISettings(send_timeout_s=0.5)
+    async with ActorSystem() as system:
+        refs = await spawn_layer_groups(system, mlp(), GROUPS, settings, 64, mailbox_size=1)
+        async with PipelineDriver(system, refs, max_in_flight=8, stall_timeout_s=5) as driver:
+            async with asyncio.timeout(20):
+                with pytest.raises(PipelineBroken, match="mailbox full"):
+                    await driver.train(x, y, epochs=2, batch_size=8)

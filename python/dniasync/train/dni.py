@@ -17,6 +17,7 @@ placed on any node.
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -109,7 +110,11 @@ class Gradient:
 @message("dni.Done")
 @dataclass(frozen=True)
 class Done:
-    """The first group has handled the gradient of ``batch_id``: it left the pipeline."""
+    """A group has finished with ``batch_id``: nothing more of it will be sent or kept there.
+
+    The last group sends it after its forward; the others once the batch's
+    gradient has come back (and was used, or found its batch evicted).
+    """
 
     batch_id: int
 
@@ -295,6 +300,8 @@ class DNISettings:
     input_lr: float = 1e-3
     cache_size: int = 64
     trace: bool = False
+    send_timeout_s: float = 30.0
+    """A send that waits this long on a full mailbox is dropped and reported."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("dni", "sync"):
@@ -303,6 +310,8 @@ class DNISettings:
             raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
         if self.sg_hidden_layers < 0 or self.sg_hidden_width < 0:
             raise ValueError("sg_hidden_layers and sg_hidden_width must be >= 0")
+        if self.send_timeout_s <= 0:
+            raise ValueError(f"send_timeout_s must be > 0, got {self.send_timeout_s}")
         if self.cache_size < 1:
             raise ValueError(f"cache_size must be >= 1, got {self.cache_size}")
         if self.conditioned and self.num_classes < 2:
@@ -499,9 +508,12 @@ class LayerGroup(Actor):
     :class:`TraceRequest` (asks). Torch work runs on the system's blocking
     threads so the event loop keeps serving other actors.
 
-    Its mailbox bounds the batches queued at it. Forwards flow down and
-    gradients up, so a pipeline whose driver keeps at most W batches in flight
-    never blocks a group on a full mailbox when ``mailbox_size >= 2 * W``.
+    Its mailbox bounds the batches queued at it. A batch is in flight until
+    every group has sent :class:`Done` for it; each in-flight batch puts at
+    most one forward, one gradient and one raw input in a group's mailbox, so
+    a driver keeping at most W batches in flight never blocks a group on a full
+    mailbox (and no cycle of full mailboxes can deadlock) when
+    ``mailbox_size >= 2 * W`` (``3 * W`` with synthetic inputs).
     """
 
     mailbox_size = 64
@@ -585,9 +597,17 @@ class LayerGroup(Actor):
         if ref is None:
             return False
         try:
-            await ref.tell(msg)
+            async with asyncio.timeout(self.settings.send_timeout_s):
+                await ref.tell(msg)
         except ActorStopped as exc:
             self._report_down(ref.address, f"unreachable from {self.ref.address}: {exc}")
+            return False
+        except TimeoutError:
+            # a full mailbox that never drains: a stalled neighbour or mailboxes too small for the window
+            self._report_down(
+                self.ref.address,
+                f"could not deliver to {ref.address} for {self.settings.send_timeout_s:g} s (mailbox full)",
+            )
             return False
         return True
 
@@ -686,22 +706,20 @@ class LayerGroup(Actor):
                 self._loss_update, h_in, h_out, msg.labels, msg.weight, first, done
             )
             self._trace("update" if done else "accumulate", b)
-            if self.monitor is not None:
-                await self._send(self.monitor, LossReport(b, loss, correct, int(msg.labels.shape[0])))
+            await self._send(self.monitor, LossReport(b, loss, correct, int(msg.labels.shape[0])))
             await self._pass_upstream(b, grad_in)
+            await self._send(self.monitor, Done(b))
         elif self.settings.mode == "dni":
             grad_in = await self.run_blocking(self._synthetic_update, h_in, h_out, msg.labels)
             self._trace("update", b)
             self._keep(self._outputs, b, _Kept(None, h_out.detach(), msg.labels, msg.step_id, msg.parts))
-            if self.upstream is not None:  # the first group's batch is done when its SG target is back
-                await self._pass_upstream(b, grad_in)
+            await self._pass_upstream(b, grad_in)
         else:
             # sync: keep the graph until the true gradient comes back
             self._keep(self._outputs, b, _Kept(h_in, h_out, msg.labels, msg.step_id, msg.parts))
 
     async def _pass_upstream(self, batch_id: int, grad_in: torch.Tensor | None) -> None:
         if self.upstream is None:
-            await self._send(self.monitor, Done(batch_id))
             return
         assert grad_in is not None
         if await self._send(self.upstream, Gradient(batch_id, grad_in)):
@@ -719,20 +737,19 @@ class LayerGroup(Actor):
                     f"batch {b}: graph evicted before its gradient came back (cache_size={self.settings.cache_size} "
                     "is smaller than the micro-batches in flight)"
                 )
-            if self.upstream is None:
-                await self._send(self.monitor, Done(b))
+            await self._send(self.monitor, Done(b))
             return
         if entry.h_in is None:  # DNI: the gradient is the SG model's target
             assert self.sg is not None
             await self.run_blocking(self.sg.fit, entry.h_out, entry.labels, msg.gradient)
             self._trace("sg_step", b)
-            if self.upstream is None:
-                await self._send(self.monitor, Done(b))
+            await self._send(self.monitor, Done(b))
             return
         first, done = self._count_part(entry.step_id, entry.parts)
         grad_in = await self.run_blocking(self._backward, entry.h_in, entry.h_out, msg.gradient, zero=first, step=done)
         self._trace("update" if done else "accumulate", b)
         await self._pass_upstream(b, grad_in)
+        await self._send(self.monitor, Done(b))
 
     @handler
     async def raw_input(self, msg: RawInput) -> None:

@@ -119,8 +119,10 @@ def batch_order(n: int, batch_size: int, epochs: int, seed: int) -> Iterator[tup
 class _Progress:
     """Shared by a driver and its monitor (always on the same node)."""
 
-    def __init__(self) -> None:
-        self.in_flight: set[int] = set()
+    def __init__(self, n_groups: int) -> None:
+        self.n_groups = n_groups
+        self.in_flight: dict[int, int] = {}
+        """batch id -> groups that have not sent ``Done`` for it yet"""
         self.changed = asyncio.Event()
         self.failure: PipelineBroken | None = None
         self.loss_sum = 0.0
@@ -142,8 +144,15 @@ class PipelineMonitor(Actor):
 
     @handler
     def done(self, msg: Done) -> None:
-        self.progress.in_flight.discard(msg.batch_id)
-        self.progress.changed.set()
+        in_flight = self.progress.in_flight
+        left = in_flight.get(msg.batch_id)
+        if left is None:
+            return
+        if left > 1:
+            in_flight[msg.batch_id] = left - 1
+        else:
+            del in_flight[msg.batch_id]
+            self.progress.changed.set()
 
     @handler
     def loss(self, msg: LossReport) -> None:
@@ -169,8 +178,10 @@ class PipelineDriver:
     (GPipe-style flush). With ``synthetic_inputs`` the raw batch also goes to
     every group after the first. A group that fails, stops or disappears, or a
     pipeline that completes nothing for ``stall_timeout_s``, raises
-    :class:`PipelineBroken`; it never hangs. Groups' mailboxes should hold
-    ``2 * max_in_flight`` messages (see :class:`LayerGroup`).
+    :class:`PipelineBroken`; it never hangs. A batch is in flight until every
+    group has sent :class:`Done` for it. Groups' mailboxes should hold
+    ``2 * max_in_flight`` messages, ``3 *`` with synthetic inputs (see
+    :class:`LayerGroup`).
     """
 
     def __init__(
@@ -203,7 +214,7 @@ class PipelineDriver:
         self.stall_timeout_s = stall_timeout_s
         self.ask_timeout_s = ask_timeout_s
         self._name = name
-        self._progress = _Progress()
+        self._progress = _Progress(len(self.groups))
         self._monitor: ActorRef | None = None
         self._next_batch = 0
 
@@ -239,13 +250,20 @@ class PipelineDriver:
                 raise PipelineBroken(ref.address, "not alive")
 
     async def _guard(self, ref: ActorRef, send: object) -> object:
-        """Await a send or ask to ``ref``, turning runtime errors into ``PipelineBroken``."""
+        """Await a send or ask to ``ref``, turning runtime errors into ``PipelineBroken``.
+
+        A tell that waits ``stall_timeout_s`` on a full mailbox counts as a stall.
+        """
         assert asyncio.iscoroutine(send)
         try:
-            return await send
+            async with asyncio.timeout(self.stall_timeout_s):
+                return await send
         except (ActorStopped, AskTimeout) as exc:
             self._check()
             raise PipelineBroken(ref.address, str(exc)) from exc
+        except TimeoutError:
+            self._check()
+            raise PipelineBroken(ref.address, f"mailbox full for {self.stall_timeout_s:g} s") from None
 
     async def _wait_until(self, ready: Callable[[], bool]) -> None:
         """Wait for completions until ``ready()``; raise ``PipelineBroken`` on failure or stall."""
@@ -276,7 +294,7 @@ class PipelineDriver:
         if self.synthetic_inputs:
             for ref in self.groups[1:]:
                 await self._guard(ref, ref.tell(RawInput(batch_id, x, y)))
-        self._progress.in_flight.add(batch_id)
+        self._progress.in_flight[batch_id] = len(self.groups)
         first = self.groups[0]
         await self._guard(first, first.tell(Forward(batch_id, step_id, parts, weight, x, y)))
 
@@ -431,7 +449,13 @@ async def run_pipeline(
     """Train ``model`` as a pipeline of layer groups in one in-process :class:`ActorSystem`."""
     async with ActorSystem() as system:
         refs = await spawn_layer_groups(
-            system, model, groups, settings, int(x.shape[1]), seed=seed, mailbox_size=2 * max(max_in_flight, micro_batches) + 4
+            system,
+            model,
+            groups,
+            settings,
+            int(x.shape[1]),
+            seed=seed,
+            mailbox_size=3 * max(max_in_flight, micro_batches) + 4,
         )
         async with PipelineDriver(
             system,
