@@ -286,12 +286,12 @@ class _Stream:
     def __init__(self, op: int, header: bytes, size: int) -> None:
         self.op = op
         self.header = header
-        self.buffer = bytearray(size)
+        self.buffer = memoryview(np.empty(size, dtype=np.uint8).data)  # no zero-fill: every byte is written
         self.filled = 0
 
 
 RefResolver = Callable[[str], ActorRef]
-_EMPTY = bytearray()
+_EMPTY: bytearray | memoryview = bytearray()
 
 
 class Decoder:
@@ -372,7 +372,7 @@ class Decoder:
         self._pending -= len(stream.buffer)
         return self._finish(stream.op, stream.header, stream.buffer)
 
-    def _finish(self, op: int, raw: bytes, payload: bytearray) -> Frame:
+    def _finish(self, op: int, raw: bytes, payload: bytearray | memoryview) -> Frame:
         context = self._context
         context.payload = payload
         context.used = 0
