@@ -176,8 +176,7 @@ class WebSocketTransport:
         for peer in list(self._peers.values()):
             peer.forgotten = True
             peer.down("this node is shutting down")
-        for conn in list(self._connections):
-            await conn.close()
+        await asyncio.gather(*(conn.close() for conn in list(self._connections)))
         if self._session is not None:
             await self._session.close()
         if self._runner is not None:
