@@ -12,7 +12,6 @@ samples/s, and the history per method)::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..runtime import run
 from .data import load_dataset, split
 from .dni import DNISettings
 from .models import mlp
@@ -94,7 +94,7 @@ def compare(
                 synthetic_inputs=method == "cdni_si",
                 num_classes=int(y.max()) + 1,
             )
-            result = asyncio.run(
+            result = run(
                 run_pipeline(
                     _model(sizes, seed),
                     groups,
@@ -120,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command line: print the comparison as JSON on stdout."""
     parser = argparse.ArgumentParser(prog="python -m dniasync.train.dni_compare", description=__doc__.split("\n")[0])
     parser.add_argument("--dataset", default="mnist5k")
+    parser.add_argument("--n-train", type=int, default=4000)
+    parser.add_argument("--n-test", type=int, default=1000)
+    parser.add_argument("--sizes", default="784,256,256,256,10", help="MLP layer sizes")
+    parser.add_argument("--groups", default="0,1;2,3;4,5,6", help="layer indices per group, groups split by ';'")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-4)
@@ -134,6 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     result = compare(
         dataset=args.dataset,
+        n_train=args.n_train,
+        n_test=args.n_test,
+        sizes=[int(v) for v in args.sizes.split(",")],
+        groups=[[int(v) for v in g.split(",")] for g in args.groups.split(";")],
         epochs=args.epochs,
         batch_size=args.batch_size,
         lr=args.lr,
