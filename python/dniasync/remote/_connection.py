@@ -216,16 +216,18 @@ class Connection:
         """Read this websocket until it closes; the only reader of it."""
         ws = self.ws
         counters = self.transport.counters
+        feed, dispatch, now = self.decoder.feed, self._dispatch, self.loop.time
+        binary = aiohttp.WSMsgType.BINARY
         reason = "closed by peer"
         try:
             while True:
                 msg = await ws.receive()
-                if msg.type is aiohttp.WSMsgType.BINARY:
+                if msg.type is binary:
                     data: bytes = msg.data
-                    self.last_rx = self.loop.time()
+                    self.last_rx = now()
                     counters.bytes_in += len(data)
                     try:
-                        frame = self.decoder.feed(data)
+                        frame = feed(data)
                     except DecodeError as exc:
                         counters.decode_errors += 1
                         reason = f"protocol error: {exc}"
@@ -233,7 +235,7 @@ class Connection:
                         break
                     if frame is not None:
                         counters.frames_in += 1
-                        if self._dispatch(frame):
+                        if dispatch(frame):
                             await self._room.wait()  # a full mailbox: stop reading, backpressure to the sender
                 elif msg.type is aiohttp.WSMsgType.ERROR:
                     counters.decode_errors += 1
