@@ -305,7 +305,7 @@ def main() -> None:
     results: dict[str, float] = {}
     bare, dni, dni_tensor, gloo, bare_tensor = [], [], [], [], []
     with child(dniasync_node()) as (_, node), child([sys.executable, __file__, "--serve-ws"]) as (_, ws):
-        for _ in range(repeats):  # interleaved, so drift on a shared machine hits both alike
+        for _ in range(repeats + 2):  # interleaved, so drift on a shared machine hits both alike; best of
             bare.append(run_async(bare_ws_ask(ws, n_ask)))
             dni.append(run_async(dniasync_ask(node, n_ask)))
         for _ in range(repeats):

@@ -98,6 +98,7 @@ class Connection:
         self._room = asyncio.Event()
         self._draining = False
         self._drained = asyncio.Event()
+        self._space = asyncio.Event()
         self.sender: asyncio.Task[None] = transport.spawn_task(self._send_loop(), f"ws-send:{peer.node}")
 
     def __repr__(self) -> str:
@@ -106,9 +107,14 @@ class Connection:
     # -- sending ---------------------------------------------------------------
     async def send(self, op: int, frame: Encoded) -> None:
         """Write a frame now (after whatever is queued), waiting on backpressure."""
-        if self.outbox or self._draining:  # keep order behind queued frames
-            self.outbox.append((op, frame))
+        outbox = self.outbox
+        if outbox or self._draining:  # keep order behind queued frames
+            outbox.append((op, frame))
             self._wake.set()
+            high = self.transport.settings.outbox_size // 2
+            while len(outbox) > high and not self.closed:  # backpressure on a busy connection
+                self._space.clear()
+                await self._space.wait()
             return
         await self._write(op, frame)
 
@@ -204,6 +210,7 @@ class Connection:
                     op, frame = outbox[0]
                     await self._write(op, frame)
                     outbox.popleft()  # only now: a direct send must not overtake a half-sent frame
+                    self._space.set()
         except (ConnectionError, aiohttp.ClientError, RuntimeError) as exc:
             self.transport.connection_lost(self, f"send failed: {exc}")
 
@@ -326,6 +333,7 @@ class Connection:
         if self.closed:
             return
         self.closed = True
+        self._space.set()
         self.sender.cancel()
         for queued in self._overflow.values():
             for _, reply in queued:
