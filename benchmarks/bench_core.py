@@ -29,7 +29,7 @@ import _common
 import numpy as np
 import torch
 
-from dniasync._core import OneBitCodec, ParamStore, ThresholdCodec
+from dniasync._core import OneBitCodec, ParamStore, ThresholdCodec, kernel_isa
 
 # Bytes each optimizer step moves per element: reads of w, g and state, writes of w and state.
 STEP_BYTES = {"sgd": 12, "momentum": 20, "adagrad": 20, "adam": 28}
@@ -186,6 +186,17 @@ def bench_copy(n: int, repeats: int) -> dict[str, float]:
     return {"one_thread_bytes_per_s": one, "two_threads_bytes_per_s": two}
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def plot(results: dict[str, Any], path: str) -> None:
     try:
         import matplotlib
@@ -224,6 +235,9 @@ def main() -> None:
     fraction["onebit_encode"] = (12 + 1 / 8) * n / enc["onebit_encode"]["dniasync_s"] / copy_bw
     results: dict[str, Any] = {
         "n": n,
+        "cpu": cpu_model(),
+        "numpy": np.__version__,
+        "kernel_isa": kernel_isa(),
         "copy_bandwidth_gb_per_s": copy_bw / 1e9,
         "copy_two_threads_gb_per_s": copy["two_threads_bytes_per_s"] / 1e9,
         **{f"{k}_10M" if not args.quick else f"{k}_1M": v for k, v in optim.items()},
@@ -267,7 +281,7 @@ def main() -> None:
     rows.append(("1-bit encode: numpy", ms(o["numpy_s"]), "1.00 (reference)"))
     rows.append(("1-bit encode: dniasync", ms(o["dniasync_s"]),
                  f"{ratios['onebit_encode_vs_numpy']:.1f}x numpy, {fraction['onebit_encode']:.0%} of copy bw"))
-    print(f"{n:,} float32, one thread per side, median of {repeats}")
+    print(f"{n:,} float32, one thread per side, median of {repeats}, kernels: {kernel_isa()}")
     print(_common.table(rows, ("system", "time / rate", "ratio")))
     path = _common.write("bench_core", args.quick, results, ratios)
     if not args.quick:

@@ -262,3 +262,29 @@ def test_nonfinite_gradient_is_rejected_and_counted_unless_allowed() -> None:
     grad[0] = np.nan
     store.step("w", grad, 0.1)
     assert np.isnan(store.view("w")[0]) and store.rejected_nonfinite == 4
+
+
+@pytest.mark.parametrize("cap", ["base", "avx2"])
+def test_capped_instruction_set_gives_identical_results(cap: str) -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        from dniasync._core import ParamStore, kernel_isa
+
+        store = ParamStore([("w", 4099)], "adam", weight_decay=0.01)
+        grad = np.sin(np.arange(4099, dtype=np.float32))
+        for _ in range(3):
+            store.step("w", grad, 0.01)
+        sys.stdout.write(kernel_isa() + " " + store.view("w").tobytes().hex())
+        """
+    )
+    env = dict(os.environ, DNIASYNC_ISA=cap)
+    capped = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    isa, hexed = capped.stdout.split()
+    assert isa in (cap, "base")  # a CPU without the capped set falls back further
+    store = ParamStore([("w", 4099)], "adam", weight_decay=0.01)
+    grad = np.sin(np.arange(4099, dtype=np.float32))
+    for _ in range(3):
+        store.step("w", grad, 0.01)
+    assert store.view("w").tobytes().hex() == hexed

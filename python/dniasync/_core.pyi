@@ -31,10 +31,14 @@ __all__ = [
     "OneBitCodec",
     "ParamStore",
     "ThresholdCodec",
+    "kernel_isa",
 ]
 
 _OptimizerName: TypeAlias = Literal["sgd", "momentum", "nesterov", "adagrad", "adam"]
 _NonFinitePolicy: TypeAlias = Literal["reject", "allow"]
+
+def kernel_isa() -> Literal["avx512", "avx2", "base"]:
+    """Instruction set the kernels run with here (``DNIASYNC_ISA=avx2|base`` caps it)."""
 
 class NonFiniteGradientError(ValueError):
     """A gradient contained NaN or Inf; the update was rejected and counted."""

@@ -9,10 +9,21 @@ mod onebit;
 mod store;
 mod threshold;
 
+/// Instruction set the kernels run with on this machine: "avx512", "avx2" or "base".
+#[pyfunction]
+fn kernel_isa() -> &'static str {
+    match dniasync_core::detected_isa() {
+        dniasync_core::Isa::Avx512 => "avx512",
+        dniasync_core::Isa::Avx2 => "avx2",
+        dniasync_core::Isa::Base => "base",
+    }
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", dniasync_core::VERSION)?;
+    m.add_function(wrap_pyfunction!(kernel_isa, m)?)?;
     m.add_class::<store::ParamStore>()?;
     m.add_class::<threshold::ThresholdCodec>()?;
     m.add_class::<onebit::OneBitCodec>()?;
