@@ -507,16 +507,23 @@ fn read_layout(region: &Region, name: &str) -> Result<Layout> {
     }
     // SAFETY: at least a header long, page aligned.
     let h = unsafe { &*(region.as_ptr() as *const Header) };
-    if h.magic != MAGIC {
-        return Err(mismatch("bad magic, not a dniasync store".into()));
-    }
-    // The creator may still be writing the header: give it a moment.
+    // The creator may still be writing the header (the file starts zeroed): give it a moment.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
     while h.ready.load(Ordering::Acquire) == 0 {
+        // SAFETY: a plain read of bytes another process may be writing; volatile keeps it fresh.
+        let magic = unsafe { std::ptr::read_volatile(&h.magic) };
+        if magic != MAGIC && magic != [0; 8] {
+            break;
+        }
         if std::time::Instant::now() > deadline {
-            return Err(mismatch("header never became ready".into()));
+            return Err(mismatch(
+                "header never became ready (creator died during setup? see is_stale)".into(),
+            ));
         }
         std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    if h.magic != MAGIC {
+        return Err(mismatch("bad magic, not a dniasync store".into()));
     }
     if h.layout_version != LAYOUT_VERSION {
         return Err(mismatch(format!(
