@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _core
+from .. import _core, metrics
 from ..actors import Actor, ActorError, ActorRef, handler, message
 from ..train.data import DataCursor
 from ..train.flat import FlatModel, evaluate, flatten_parameters, split_ranges
@@ -149,6 +149,7 @@ class TrainingCoordinator(Actor):
                                 target_accuracy=self.config.stop.target_accuracy, config=self.config.to_dict())
         if self.config.mode == "hogwild":
             self.state = "training-ready"
+        metrics.track_trainer(self.system, self)
         self._schedule_tick()
 
     def _setup(self) -> None:
@@ -417,6 +418,15 @@ class TrainingCoordinator(Actor):
 
     @handler
     def status(self, msg: JobStatus) -> JobStatusReply:
+        return self.snapshot()
+
+    @property
+    def evaluations(self) -> int:
+        """Held-out evaluations run so far."""
+        return len(self.report.history)
+
+    def snapshot(self) -> JobStatusReply:
+        """The job's state now (what :class:`JobStatus` answers); read by the node's metrics and live page."""
         return JobStatusReply(
             job=self.config.job.name, mode=self.config.mode,
             state="waiting" if self.state in ("waiting", "training-ready") else self.state,

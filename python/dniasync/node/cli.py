@@ -12,6 +12,7 @@ from typing import Any
 
 from ..actors import ActorError, ActorSystem
 from ..cluster.config import ConfigError, load_config
+from ..metrics import NodeMetrics
 from ..remote import RemoteSettings, WebSocketTransport, is_loopback, parse_hostport, read_token_file
 from ..runtime import run
 from ._membership import COORDINATOR, Join, Leave, join_cluster
@@ -215,6 +216,7 @@ async def run_node(options: dict[str, Any]) -> int:
             advertise=options.get("advertise"),
             settings=options["settings"],
         )
+        NodeMetrics(system, role, transport).mount(transport.app)
         try:
             await transport.start()
         except OSError as exc:

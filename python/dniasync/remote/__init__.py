@@ -8,10 +8,13 @@ and refs to actors on other nodes (``name@host:port``) work like local ones.
 from ._auth import Authenticator, read_token_file
 from ._codec import Decoder, Frame, Limits, encode
 from ._errors import AuthError, DecodeError, ProtocolError, RemoteError
+from ._latency import ASK_LATENCY_BUCKETS, AskLatency
 from ._settings import RemoteCounters, RemoteSettings
 from ._transport import PeerListener, WebSocketTransport, is_loopback, parse_hostport
 
 __all__ = [
+    "ASK_LATENCY_BUCKETS",
+    "AskLatency",
     "AuthError",
     "Authenticator",
     "DecodeError",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Final
 
 from ..actors import ActorUnreachable, AskTimeout, MailboxFull
@@ -152,18 +153,24 @@ class RemoteDestination:
         future: asyncio.Future[Any] = loop.create_future()
         pending = peer.pending
         pending[corr] = (future, self.address)
+        latency = self.transport.ask_latency
+        started = time.perf_counter() if latency is not None else 0.0  # uvloop's loop.time() is in ms
         try:
             if conn.can_write_now(frame):
                 conn.write_now(frame.single(OP_ASK))
             else:
                 await conn.send(OP_ASK, frame)
             if timeout is None:
-                return await future
-            handle = loop.call_later(timeout, _expire, future, self.address, timeout)
-            try:
-                return await future
-            finally:
-                handle.cancel()
+                value = await future
+            else:
+                handle = loop.call_later(timeout, _expire, future, self.address, timeout)
+                try:
+                    value = await future
+                finally:
+                    handle.cancel()
+            if latency is not None:
+                latency.observe(type(msg), time.perf_counter() - started)
+            return value
         except (ConnectionError, RuntimeError) as exc:
             raise ActorUnreachable(self.address, f"send to {self.node} failed: {exc}") from None
         finally:

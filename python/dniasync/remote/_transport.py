@@ -18,6 +18,7 @@ from aiohttp import web
 from ..actors import ActorNotFound, ActorRef, ActorStopped, ActorSystem, split_address
 from ._auth import Authenticator
 from ._connection import Connection, WebSocket
+from ._latency import AskLatency
 from ._peer import DOWN, NEW, UP, Peer, RemoteDestination
 from ._settings import RemoteCounters, RemoteSettings
 
@@ -105,6 +106,8 @@ class WebSocketTransport:
         self.system = system
         self.settings = settings or RemoteSettings()
         self.counters = RemoteCounters()
+        self.ask_latency: AskLatency | None = None
+        """Round trips of asks to other nodes; off until :meth:`enable_ask_latency` (metrics)."""
         self.auth = Authenticator(token)
         self.incarnation = secrets.token_hex(8)
         self._host, self._port = parse_hostport(listen)
@@ -163,6 +166,12 @@ class WebSocketTransport:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=5.0))
         self.spawn_task(self._watch(), "ws-heartbeat")
         log.info("node %s listening (incarnation %s)", self.address, self.incarnation)
+
+    def enable_ask_latency(self) -> AskLatency:
+        """Start timing asks to other nodes (a few list increments per reply)."""
+        if self.ask_latency is None:
+            self.ask_latency = AskLatency()
+        return self.ask_latency
 
     @property
     def port(self) -> int:

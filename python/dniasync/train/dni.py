@@ -18,6 +18,7 @@ placed on any node.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import metrics
 from ..actors import Actor, ActorRef, ActorStopped, handler, message
 
 __all__ = [
@@ -559,6 +561,8 @@ class LayerGroup(Actor):
         self.steps = 0
         self.evictions = 0
         self.late_gradients = 0
+        self.forwards = 0
+        self.forward_seconds = 0.0
         self._sg_seen = 0
         self._input_seen = 0
         self._events: list[str] = []
@@ -610,6 +614,9 @@ class LayerGroup(Actor):
             )
             return False
         return True
+
+    async def on_start(self) -> None:
+        metrics.track_layer_group(self.system, self)
 
     async def on_failure(self, exc: BaseException) -> None:
         self._report_down(self.ref.address, f"failed: {exc!r}")
@@ -690,6 +697,7 @@ class LayerGroup(Actor):
     @handler
     async def forward(self, msg: Forward) -> None:
         b = msg.batch_id
+        started = time.perf_counter()
         self._trace("forward", b)
         if self.input_model is not None:
             raw = self._raw.pop(b, None)
@@ -717,6 +725,8 @@ class LayerGroup(Actor):
         else:
             # sync: keep the graph until the true gradient comes back
             self._keep(self._outputs, b, _Kept(h_in, h_out, msg.labels, msg.step_id, msg.parts))
+        self.forwards += 1
+        self.forward_seconds += time.perf_counter() - started
 
     async def _pass_upstream(self, batch_id: int, grad_in: torch.Tensor | None) -> None:
         if self.upstream is None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _core
+from .. import _core, metrics
 from ..actors import Actor, handler
 from .compression import Codec, CompressedTensor, make_codec
 from .messages import Fence, Params, Pull, Push, ShardStats
@@ -84,6 +84,10 @@ class PSShard(Actor):
         self.bytes_in = 0
         self.bytes_out = 0
         self.samples = 0
+        self.pulls = 0
+
+    async def on_start(self) -> None:
+        metrics.track_ps_shard(self.system, self, STALENESS_BUCKETS)
 
     @property
     def version(self) -> int:
@@ -138,6 +142,7 @@ class PSShard(Actor):
         out = np.empty(self.n, dtype=np.float32)
         version = self.store.read_into(SEGMENT, out)
         self.bytes_out += int(out.nbytes)
+        self.pulls += 1
         return Params(self.shard, version, out)
 
     @handler

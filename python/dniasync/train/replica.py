@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from .. import _core
+from .. import _core, metrics
 from ..actors import Actor, ActorError, ActorNotFound, ActorRef, handler, message
 from .compression import Codec, make_codec
 from .data import DataCursor, ShardPlan, load_dataset, split
@@ -125,8 +125,10 @@ class Replica(Actor):
         self.samples = 0
         self.seq = 0
         self.pushes = 0
+        self.pulls = 0
         self.bytes_pushed = 0
         self.bytes_pulled = 0
+        self.dense_bytes_pushed = 0
         self._loss_sum = 0.0
         self._loss_n = 0
         self._last_loss = float("nan")
@@ -135,7 +137,13 @@ class Replica(Actor):
 
     async def on_start(self) -> None:
         self.coordinator: ActorRef = self.system.ref(self.coordinator_address)
+        metrics.track_replica(self.system, self)
         self.ref.tell_nowait(_Begin())
+
+    @property
+    def loss(self) -> float:
+        """Mean training loss over the steps before the last progress report (NaN before it)."""
+        return self._last_loss
 
     async def on_stop(self) -> None:
         if self._retry is not None:
@@ -262,6 +270,7 @@ class Replica(Actor):
             self.store.write(f"ps{i}", reply.values)
             self.versions[i] = reply.version
             self.bytes_pulled += int(reply.values.nbytes)
+            self.pulls += 1
 
         await asyncio.gather(*(one(i) for i in range(len(self.ps))))
 
@@ -278,6 +287,7 @@ class Replica(Actor):
                 log.warning("replica %s: push to shard %d failed: %s", self.name, i, exc)
                 continue
             self.bytes_pushed += compressed.nbytes
+            self.dense_bytes_pushed += 4 * length
         self.pushes += 1
         self.flat.grad.zero_()
 

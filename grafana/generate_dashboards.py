@@ -1,0 +1,218 @@
+"""Writes grafana/dashboards/*.json (run after changing a panel: python grafana/generate_dashboards.py).
+
+The JSON files are what Grafana loads and what tests/test_metrics_prometheus.py
+checks against a real Prometheus; this script only keeps them consistent.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+DS = {"type": "prometheus", "uid": "${datasource}"}
+SEL = 'job=~"$job", instance=~"$instance"'
+RI = "$__rate_interval"
+
+
+def target(expr: str, legend: str = "", ref: str = "A", fmt: str = "time_series") -> dict[str, Any]:
+    return {"datasource": DS, "expr": expr, "legendFormat": legend or "__auto", "refId": ref, "format": fmt,
+            "range": True}
+
+
+class Layout:
+    def __init__(self) -> None:
+        self.panels: list[dict[str, Any]] = []
+        self.y = 0
+        self.x = 0
+        self.next_id = 1
+
+    def row(self, title: str) -> None:
+        if self.x:
+            self.y += 8
+            self.x = 0
+        self.panels.append({"type": "row", "title": title, "id": self.next_id, "collapsed": False, "panels": [],
+                            "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y}})
+        self.next_id += 1
+        self.y += 1
+
+    def panel(self, kind: str, title: str, description: str, targets: list[dict[str, Any]], *, unit: str = "short",
+              w: int = 8, extra: dict[str, Any] | None = None) -> None:
+        if self.x + w > 24:
+            self.y += 8
+            self.x = 0
+        panel: dict[str, Any] = {
+            "type": kind, "title": title, "description": description, "id": self.next_id, "datasource": DS,
+            "gridPos": {"h": 8, "w": w, "x": self.x, "y": self.y},
+            "targets": [dict(t, refId=chr(ord("A") + i)) for i, t in enumerate(targets)],
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+            "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                        "tooltip": {"mode": "multi", "sort": "none"}},
+        }
+        if extra:
+            panel.update(extra)
+        self.panels.append(panel)
+        self.next_id += 1
+        self.x += w
+
+
+def variables(extra: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def query_var(name: str, label: str, query: str) -> dict[str, Any]:
+        return {"name": name, "label": label, "type": "query", "datasource": DS,
+                "query": {"query": query, "refId": f"{name}-values"}, "definition": query, "refresh": 2,
+                "includeAll": True, "multi": True, "allValue": ".*", "sort": 1,
+                "current": {"selected": True, "text": ["All"], "value": ["$__all"]}}
+
+    return {"list": [
+        {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+         "current": {"selected": True, "text": "Prometheus (dniasync)", "value": "dniasync-prometheus"},
+         "hide": 0, "refresh": 1, "regex": ""},
+        query_var("job", "Job", "label_values(dniasync_build_info, job)"),
+        query_var("instance", "Node", 'label_values(dniasync_build_info{job=~"$job"}, instance)'),
+        *(extra or []),
+    ]}
+
+
+def dashboard(uid: str, title: str, description: str, layout: Layout, templating: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "uid": uid, "title": title, "description": description, "tags": ["dniasync"], "editable": True,
+        "schemaVersion": 39, "version": 1, "refresh": "5s", "time": {"from": "now-15m", "to": "now"},
+        "timezone": "", "graphTooltip": 1, "panels": layout.panels, "templating": templating,
+        "annotations": {"list": []}, "links": [],
+    }
+
+
+def overview() -> dict[str, Any]:
+    d = Layout()
+    d.row("Cluster")
+    d.panel("stat", "Members up", "Nodes Prometheus scrapes successfully.",
+            [target(f"sum(up{{{SEL}}})", "members up")], w=4)
+    d.panel("bargauge", "Members up by role", "Nodes up per role (dniasync_node_info joined with up).",
+            [target(f"sum by (role) (dniasync_node_info{{{SEL}}} * on (job, instance) group_left up{{{SEL}}})",
+                    "{{role}}")], w=6)
+    d.panel("timeseries", "Actor restarts", "Actors restarted by their supervisor, per node.",
+            [target(f"sum by (instance) (increase(dniasync_actor_restarts_total{{{SEL}}}[{RI}]))", "{{instance}}")],
+            w=7)
+    d.panel("timeseries", "Peers and reconnects", "Peers each node is connected to; reconnects and peers lost.",
+            [target(f"dniasync_remote_peers_up{{{SEL}}}", "up {{instance}}"),
+             target(f"sum(increase(dniasync_remote_reconnects_total{{{SEL}}}[{RI}]))", "reconnects"),
+             target(f"sum(increase(dniasync_remote_peers_lost_total{{{SEL}}}[{RI}]))", "peers lost")], w=7)
+    d.row("Training")
+    d.panel("timeseries", "Loss", "Held-out loss (coordinator) and recent training loss (replicas).",
+            [target(f"dniasync_train_eval_loss{{{SEL}}}", "held-out"),
+             target(f"dniasync_replica_loss{{{SEL}}}", "train {{instance}}")])
+    d.panel("timeseries", "Held-out accuracy", "Accuracy on held-out data at each evaluation.",
+            [target(f"dniasync_train_eval_accuracy_ratio{{{SEL}}}", "accuracy")], unit="percentunit",
+            extra={"fieldConfig": {"defaults": {"unit": "percentunit", "min": 0, "max": 1}, "overrides": []}})
+    d.panel("timeseries", "Samples/s per node", "Training throughput of each replica, and the cluster's.",
+            [target(f"sum by (instance) (rate(dniasync_replica_samples_total{{{SEL}}}[{RI}]))", "{{instance}}"),
+             target(f"sum(rate(dniasync_train_samples_total{{{SEL}}}[{RI}]))", "cluster")])
+    d.panel("timeseries", "Steps/s per node", "Mini-batch steps per second of each replica.",
+            [target(f"sum by (instance) (rate(dniasync_replica_steps_total{{{SEL}}}[{RI}]))", "{{instance}}")])
+    d.panel("stat", "Epochs", "Epochs of training data processed so far.",
+            [target(f"max(dniasync_train_epochs{{{SEL}}})", "epochs")], w=4)
+    d.panel("stat", "Replicas alive", "Replicas the coordinator considers alive / declared dead.",
+            [target(f"sum(dniasync_train_replicas_alive{{{SEL}}})", "alive"),
+             target(f"sum(dniasync_train_replicas_dead{{{SEL}}})", "dead")], w=4)
+    d.row("Async health")
+    d.panel("heatmap", "Staleness heatmap", "PS version gap of each push (versions), per interval.",
+            [target(f"sum by (le) (increase(dniasync_ps_staleness_versions_bucket{{{SEL}}}[{RI}]))", "{{le}}",
+                    fmt="heatmap")], unit="short",
+            extra={"options": {"calculate": False, "yAxis": {"axisLabel": "staleness"},
+                               "cellGap": 1, "color": {"scheme": "Oranges", "mode": "scheme"}}})
+    d.panel("timeseries", "Staleness quantiles", "Median and 99th percentile staleness of pushes.",
+            [target(f"histogram_quantile(0.5, sum by (le) (rate(dniasync_ps_staleness_versions_bucket{{{SEL}}}[{RI}])))",
+                    "p50"),
+             target(f"histogram_quantile(0.99, sum by (le) (rate(dniasync_ps_staleness_versions_bucket{{{SEL}}}[{RI}])))",
+                    "p99"),
+             target(f"sum(rate(dniasync_ps_staleness_versions_sum{{{SEL}}}[{RI}])) / "
+                    f"sum(rate(dniasync_ps_staleness_versions_count{{{SEL}}}[{RI}]))", "mean")])
+    d.panel("timeseries", "Rejected updates", "Pushes a PS shard refused, by reason.",
+            [target(f"sum by (reason) (rate(dniasync_ps_updates_rejected_total{{{SEL}}}[{RI}]))", "{{reason}}")],
+            unit="ops")
+    d.panel("timeseries", "PS update rate", "Pushes applied per second, per shard.",
+            [target(f"sum by (shard) (rate(dniasync_ps_updates_applied_total{{{SEL}}}[{RI}]))", "shard {{shard}}")],
+            unit="ops")
+    d.panel("timeseries", "PS versions", "Parameter version of each shard.",
+            [target(f"max by (shard) (dniasync_ps_version{{{SEL}}})", "shard {{shard}}")])
+    d.panel("timeseries", "Mailbox depth", "Messages queued on each node (all mailboxes, and the fullest).",
+            [target(f"dniasync_actor_mailbox_messages{{{SEL}}}", "all {{instance}}"),
+             target(f"dniasync_actor_mailbox_max_messages{{{SEL}}}", "fullest {{instance}}")])
+    d.row("Communication")
+    d.panel("timeseries", "Bytes/s", "Websocket traffic of each node, per direction.",
+            [target(f"sum by (instance, direction) (rate(dniasync_remote_bytes_total{{{SEL}}}[{RI}]))",
+                    "{{instance}} {{direction}}")], unit="Bps")
+    d.panel("timeseries", "Gradient and parameter bytes/s", "Payload pushed (gradients) and pulled (parameters).",
+            [target(f"sum by (direction) (rate(dniasync_replica_bytes_total{{{SEL}}}[{RI}]))", "{{direction}}")],
+            unit="Bps")
+    d.panel("timeseries", "Compression ratio", "Dense float32 gradient bytes per byte pushed.",
+            [target(f"sum(rate(dniasync_replica_push_dense_bytes_total{{{SEL}}}[{RI}])) / "
+                    f"sum(rate(dniasync_replica_bytes_total{{{SEL}, direction=\"push\"}}[{RI}]))", "ratio"),
+             target(f"dniasync_replica_compression_ratio{{{SEL}}}", "since start {{instance}}")])
+    d.panel("timeseries", "Ask latency", "Round trip of remote asks by message type (p50, p99).",
+            [target(f"histogram_quantile(0.5, sum by (le, msg_type) "
+                    f"(rate(dniasync_remote_ask_duration_seconds_bucket{{{SEL}}}[{RI}])))", "p50 {{msg_type}}"),
+             target(f"histogram_quantile(0.99, sum by (le, msg_type) "
+                    f"(rate(dniasync_remote_ask_duration_seconds_bucket{{{SEL}}}[{RI}])))", "p99 {{msg_type}}")],
+            unit="s")
+    d.panel("timeseries", "Pushes and pulls", "Gradient pushes and parameter pulls per second.",
+            [target(f"sum(rate(dniasync_replica_pushes_total{{{SEL}}}[{RI}]))", "pushes"),
+             target(f"sum(rate(dniasync_replica_pulls_total{{{SEL}}}[{RI}]))", "pulls (replicas)"),
+             target(f"sum by (shard) (rate(dniasync_ps_pulls_total{{{SEL}}}[{RI}]))", "pulls shard {{shard}}")],
+            unit="ops")
+    d.panel("timeseries", "Wire errors", "Decode errors, auth failures and dropped tells per second.",
+            [target(f"sum(rate(dniasync_remote_decode_errors_total{{{SEL}}}[{RI}]))", "decode errors"),
+             target(f"sum(rate(dniasync_remote_auth_failures_total{{{SEL}}}[{RI}]))", "auth failures"),
+             target(f"sum(rate(dniasync_remote_dropped_tells_total{{{SEL}}}[{RI}]))", "dropped tells")],
+            unit="ops")
+    d.panel("table", "Versions", "What each node runs.",
+            [target(f"dniasync_build_info{{{SEL}}}", fmt="table")], w=24,
+            extra={"options": {"showHeader": True}})
+    return dashboard("dniasync-overview", "dniasync / overview",
+                     "Cluster membership, training progress, asynchrony and communication of a dniasync job.",
+                     d, variables())
+
+
+def model_parallel() -> dict[str, Any]:
+    gsel = SEL + ', group=~"$group"'
+    d = Layout()
+    d.row("Layer groups")
+    d.panel("timeseries", "Step time per group", "Mean seconds a group spends on one forward message.",
+            [target(f"sum by (group) (rate(dniasync_dni_group_step_seconds_sum{{{gsel}}}[{RI}])) / "
+                    f"sum by (group) (rate(dniasync_dni_group_step_seconds_count{{{gsel}}}[{RI}]))", "{{group}}")],
+            unit="s", w=12)
+    d.panel("timeseries", "Busy fraction per group", "Seconds of forward work per second (1 = never idle).",
+            [target(f"sum by (group) (rate(dniasync_dni_group_step_seconds_sum{{{gsel}}}[{RI}]))", "{{group}}")],
+            unit="percentunit", w=12)
+    d.panel("timeseries", "Synthetic-gradient loss", "Latest regression loss of each group's SG model.",
+            [target(f"max by (group) (dniasync_dni_sg_loss{{{gsel}}})", "{{group}}")], w=12)
+    d.panel("timeseries", "Queue depth", "Messages waiting in each group's mailbox.",
+            [target(f"max by (group) (dniasync_dni_group_queue_messages{{{gsel}}})", "{{group}}")], w=12)
+    d.panel("timeseries", "Steps/s", "Optimizer steps per second of each group and of its SG model.",
+            [target(f"sum by (group) (rate(dniasync_dni_group_steps_total{{{gsel}}}[{RI}]))", "{{group}}"),
+             target(f"sum by (group) (rate(dniasync_dni_sg_steps_total{{{gsel}}}[{RI}]))", "SG {{group}}")],
+            unit="ops", w=12)
+    d.panel("timeseries", "Evictions and late gradients", "Batches evicted before their gradient returned.",
+            [target(f"sum by (group) (rate(dniasync_dni_group_evictions_total{{{gsel}}}[{RI}]))", "evicted {{group}}"),
+             target(f"sum by (group) (rate(dniasync_dni_group_late_gradients_total{{{gsel}}}[{RI}]))",
+                    "late {{group}}")], unit="ops", w=12)
+    group_var = {"name": "group", "label": "Layer group", "type": "query", "datasource": DS,
+                 "query": {"query": 'label_values(dniasync_dni_group_steps_total{job=~"$job", instance=~"$instance"}, group)',
+                           "refId": "group-values"},
+                 "definition": 'label_values(dniasync_dni_group_steps_total{job=~"$job", instance=~"$instance"}, group)',
+                 "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*", "sort": 1,
+                 "current": {"selected": True, "text": ["All"], "value": ["$__all"]}}
+    return dashboard("dniasync-model-parallel", "dniasync / model parallel",
+                     "DNI layer groups: step time, synthetic-gradient loss and queue depth per group.",
+                     d, variables([group_var]))
+
+
+def main() -> None:
+    out = Path(__file__).resolve().parent / "dashboards"
+    for name, board in (("dniasync-overview.json", overview()), ("dniasync-model-parallel.json", model_parallel())):
+        (out / name).write_text(json.dumps(board, indent=2) + "\n")
+        print(f"wrote {out / name}")
+
+
+if __name__ == "__main__":
+    main()
