@@ -113,7 +113,7 @@ def bench_hogwild(n: int, updates: int, grad: np.ndarray) -> dict[str, float]:
         return threads * updates / (time.perf_counter() - start)
 
     run(1)
-    rounds = [(run(1), run(2)) for _ in range(5)]
+    rounds = [(run(1), run(2)) for _ in range(9)]
     one = statistics.median(r[0] for r in rounds)
     two = statistics.median(r[1] for r in rounds)
     return {"one_thread_updates_per_s": one, "two_threads_updates_per_s": two}
