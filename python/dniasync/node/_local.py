@@ -30,6 +30,8 @@ __all__ = ["run_local"]
 
 _LISTENING = re.compile(r"listening on (\S+)")
 STARTUP_TIMEOUT_S = 120.0
+PROMETHEUS_TARGETS = "prometheus_targets.json"
+"""File-based service discovery targets (every child node) written to the job's output dir."""
 
 
 @dataclass
@@ -51,6 +53,14 @@ class _Cluster:
                 {"role": c.role, "pid": c.proc.pid, "address": c.address, "log": str(c.log)} for c in self.children
             ]
         }
+
+    def write_files(self, job: str) -> None:
+        """``cluster.json``, and the Prometheus file-SD targets of every child listening so far."""
+        (self.out / "cluster.json").write_text(json.dumps(self.describe(), indent=2) + "\n")
+        targets = [{"targets": [c.address for c in self.children if c.address], "labels": {"cluster": job}}]
+        tmp = self.out / ".prometheus_targets.json.tmp"
+        tmp.write_text(json.dumps(targets, indent=2) + "\n")
+        tmp.replace(self.out / PROMETHEUS_TARGETS)  # Prometheus may read it at any moment: never half-written
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every child still running, SIGKILL what outlives ``grace_s``."""
@@ -154,17 +164,30 @@ async def _run(config_path: str, config: Config, out: IO[str]) -> int:
         pumps.append(asyncio.create_task(_pump(coordinator, listening)))
         coordinator.address = await asyncio.wait_for(listening, STARTUP_TIMEOUT_S)
         join = ["--join", coordinator.address]
+
+        def listening_at(child: _Child) -> asyncio.Future[str]:
+            def noted(future: asyncio.Future[str]) -> None:
+                if not future.cancelled() and future.exception() is None:
+                    child.address = future.result()
+                    cluster.write_files(config.job.name)
+
+            future: asyncio.Future[str] = loop.create_future()
+            future.add_done_callback(noted)
+            return future
+
         n_ps = config.downpour.n_ps_shards if config.mode == "downpour" else 0
         for i in range(n_ps):
             child = await _spawn(cluster, "ps", i, join)
-            pumps.append(asyncio.create_task(_pump(child, None)))
+            pumps.append(asyncio.create_task(_pump(child, listening_at(child))))
         for i in range(config.n_data_shards):
             child = await _spawn(cluster, "worker", i, join)
-            pumps.append(asyncio.create_task(_pump(child, None)))
-        (cluster.out / "cluster.json").write_text(json.dumps(cluster.describe(), indent=2) + "\n")
+            pumps.append(asyncio.create_task(_pump(child, listening_at(child))))
+        cluster.write_files(config.job.name)
         print(f"{config.job.name}: coordinator on {coordinator.address}, {n_ps} PS shard(s), "
               f"{config.n_data_shards} {'replica' if config.mode == 'downpour' else 'worker'}(s); "
               f"logs in {cluster.out / 'logs'}", file=out, flush=True)
+        print(f"live page: http://{coordinator.address}/ (Prometheus targets: {cluster.out / PROMETHEUS_TARGETS})",
+              file=out, flush=True)
         async with ActorSystem() as system, WebSocketTransport(system, "127.0.0.1:0"):
             trainer = system.ref(f"{COORDINATOR_NAME}@{coordinator.address}")
             status: JobStatusReply | None = None

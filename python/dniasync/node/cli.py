@@ -17,6 +17,7 @@ from ..remote import RemoteSettings, WebSocketTransport, is_loopback, parse_host
 from ..runtime import run
 from ._membership import COORDINATOR, Join, Leave, join_cluster
 from . import _training  # noqa: F401  (registers the training side of the roles)
+from ._live import LivePage
 from ._local import run_local
 from ._roles import NEEDS_JOIN, NODE_INFO, ROLES, NodeContext, NodeInfo, load_actor_class
 
@@ -216,7 +217,11 @@ async def run_node(options: dict[str, Any]) -> int:
             advertise=options.get("advertise"),
             settings=options["settings"],
         )
-        NodeMetrics(system, role, transport).mount(transport.app)
+        node_metrics = NodeMetrics(system, role, transport)
+        node_metrics.mount(transport.app)
+        live = LivePage(transport, node_metrics) if role == "coordinator" else None
+        if live is not None:
+            live.mount(transport.app)
         try:
             await transport.start()
         except OSError as exc:
@@ -225,6 +230,8 @@ async def run_node(options: dict[str, Any]) -> int:
         try:
             context = NodeContext(system, transport, role, options.get("join"), stop, options)
             await ROLES[role](context)
+            if live is not None:
+                live.start(context)
             await system.spawn(NodeInfo, context, name=NODE_INFO)
             for cls, name in options["actors"]:
                 await system.spawn(cls, name=name)

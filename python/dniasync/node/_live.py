@@ -1,0 +1,174 @@
+"""The coordinator's built-in live page: ``GET /`` (one static HTML file) fed by ``GET /api/status``.
+
+No external service, no CDN, no build step: the page is hand-written HTML,
+JS and inline SVG, and polls the JSON endpoint once a second. The series it
+charts come from the same state the node's ``/metrics`` reads: the training
+coordinator's job status and eval history, the replicas' byte counts it
+receives, and the PS shards' staleness histograms (asked for each sample).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from ..actors import ActorError
+from ..cluster.coordinator import TrainingCoordinator
+from ..metrics import NodeMetrics
+from ..remote import WebSocketTransport, is_loopback, parse_hostport
+from ..train.messages import ShardStats
+from ..train.ps import STALENESS_BUCKETS
+from ._membership import GetMembers, Members
+from ._roles import NodeContext
+
+__all__ = ["LivePage"]
+
+log = logging.getLogger("dniasync.node")
+
+_LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+class LivePage:
+    """Serves the live page on the coordinator node and keeps the series it charts.
+
+    ``every_s``: sampling interval; ``keep``: samples kept (an hour at 1 s).
+    """
+
+    def __init__(self, transport: WebSocketTransport, metrics: NodeMetrics, *, every_s: float = 1.0,
+                 keep: int = 3600) -> None:
+        self.transport = transport
+        self.context: NodeContext | None = None
+        self.metrics = metrics
+        self.every_s = every_s
+        self.series: deque[dict[str, float | None]] = deque(maxlen=keep)
+        self.staleness_counts = [0] * (len(STALENESS_BUCKETS) + 1)
+        self._last: tuple[float, int, int, int, int, int] | None = None  # wall, samples, pushed, pulled, st sum, n
+        self._html = resources.files(__package__).joinpath("live.html").read_bytes()
+
+    def mount(self, app: web.Application) -> None:
+        """Add ``GET /`` and ``GET /api/status`` to ``app`` (before the transport starts)."""
+        app.router.add_get("/", self._page)
+        app.router.add_get("/api/status", self._status)
+
+    def start(self, context: NodeContext) -> None:
+        """Once the node's roles run: sample in a task the transport owns (cancelled when it closes)."""
+        self.context = context
+        self.transport.spawn_task(self._sample_forever(), "live-page-sampler")
+
+    # -- sampling -----------------------------------------------------------------------
+    def _trainer(self) -> TrainingCoordinator | None:
+        for trainer in self.metrics.trainers():
+            if isinstance(trainer, TrainingCoordinator):
+                return trainer
+        return None
+
+    async def _sample_forever(self) -> None:
+        while True:
+            try:
+                await self.sample()
+            except Exception:  # a bad sample must not end the page's series
+                log.exception("live page: sampling failed")
+            await asyncio.sleep(self.every_s)
+
+    async def sample(self) -> None:
+        """Add one point to the series (only while the job trains)."""
+        trainer = self._trainer()
+        if trainer is None:
+            return
+        status = trainer.snapshot()
+        if status.state != "training":
+            return
+        st_sum, st_n = await self._staleness(trainer)
+        report = trainer.report
+        now = (status.wall_s, status.samples, report.bytes_pushed, report.bytes_pulled, st_sum, st_n)
+        last, self._last = self._last, now
+        if last is None or now[0] <= last[0]:
+            return
+        dt = now[0] - last[0]
+        self.series.append({
+            "t": round(now[0], 3),
+            "samples_per_s": (now[1] - last[1]) / dt,
+            "pushed_bytes_per_s": (now[2] - last[2]) / dt,
+            "pulled_bytes_per_s": (now[3] - last[3]) / dt,
+            "staleness_mean": (now[4] - last[4]) / (now[5] - last[5]) if now[5] > last[5] else None,
+        })
+
+    async def _staleness(self, trainer: TrainingCoordinator) -> tuple[int, int]:
+        """Sum and count of push staleness over every PS shard; refreshes the histogram."""
+        shards = [ref for ref in trainer.ps if ref is not None]
+        if not shards:
+            return 0, 0
+        replies = await asyncio.gather(*(ref.ask(ShardStats(), timeout=2.0) for ref in shards), return_exceptions=True)
+        stats = [r for r in replies if isinstance(r, dict)]
+        if len(stats) != len(shards):
+            return self._last[4:] if self._last is not None else (0, 0)  # keep the previous figure
+        self.staleness_counts = [sum(s["staleness_counts"][i] for s in stats) for i in range(len(self.staleness_counts))]
+        return sum(int(s["staleness_sum"]) for s in stats), sum(int(sum(s["staleness_counts"])) for s in stats)
+
+    # -- serving ------------------------------------------------------------------------
+    def _allowed(self, request: web.Request) -> bool:
+        """On a loopback node, only loopback Host names (no DNS rebinding from a web page)."""
+        host, _ = parse_hostport(self.transport.address)
+        if not is_loopback(host):
+            return True
+        name = request.host.rsplit(":", 1)[0] if not request.host.endswith("]") else request.host
+        return name.strip("[]") in _LOOPBACK_HOSTS
+
+    async def _page(self, request: web.Request) -> web.Response:
+        if not self._allowed(request):
+            raise web.HTTPForbidden(text="dniasync: this node serves loopback Host names only\n")
+        return web.Response(body=self._html, content_type="text/html", charset="utf-8",
+                            headers={"Cache-Control": "no-store"})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        if not self._allowed(request):
+            raise web.HTTPForbidden(text="dniasync: this node serves loopback Host names only\n")
+        return web.json_response(_finite(await self.status()), headers={"Cache-Control": "no-store"})
+
+    async def status(self) -> dict[str, Any]:
+        """What the page shows, as JSON-able data."""
+        transport = self.transport
+        context = self.context
+        members: list[dict[str, Any]] = []
+        if context is not None and context.membership is not None:
+            try:
+                reply: Members = await context.membership.ask(GetMembers(), timeout=2.0)
+                members = [{"node": m.node, "role": m.role, "alive": m.alive} for m in reply.members]
+            except ActorError as exc:
+                log.debug("live page: no members: %s", exc)
+        doc: dict[str, Any] = {
+            "node": transport.address, "role": self.metrics.role, "updated": time.time(),
+            "peers": transport.peer_states(), "members": members,
+            "job": None, "replicas": {}, "history": [], "series": list(self.series),
+            "staleness": {"buckets": [*map(str, STALENESS_BUCKETS), "+Inf"], "counts": list(self.staleness_counts)},
+        }
+        trainer = self._trainer()
+        if trainer is not None:
+            s = trainer.snapshot()
+            doc["job"] = {
+                "name": s.job, "mode": s.mode, "state": s.state, "wall_s": s.wall_s, "samples": s.samples,
+                "epochs": s.epochs, "max_epochs": s.max_epochs, "accuracy": s.accuracy, "loss": s.loss,
+                "samples_per_s": s.samples_per_s,
+            }
+            doc["replicas"] = dict(s.replicas)
+            doc["history"] = [{"wall_s": p.wall_s, "samples": p.samples, "accuracy": p.accuracy, "loss": p.loss}
+                              for p in trainer.report.history]
+        return doc
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinities become null: JSON has no spelling for them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
