@@ -62,7 +62,7 @@ __all__ = [
 # -- wire messages --------------------------------------------------------------
 
 
-@message("dni.Connect")
+@message("dniasync.dni.Connect")
 @dataclass(frozen=True)
 class Connect:
     """Wires a group to its neighbours; empty lists mean first / last group."""
@@ -72,7 +72,7 @@ class Connect:
     monitor: ActorRef
 
 
-@message("dni.Forward")
+@message("dniasync.dni.Forward")
 @dataclass(frozen=True)
 class Forward:
     """Activations of one (micro-)batch travelling downstream.
@@ -90,7 +90,7 @@ class Forward:
     labels: torch.Tensor
 
 
-@message("dni.RawInput")
+@message("dniasync.dni.RawInput")
 @dataclass(frozen=True)
 class RawInput:
     """The raw inputs of a batch, for a group that predicts its own input."""
@@ -100,7 +100,7 @@ class RawInput:
     labels: torch.Tensor
 
 
-@message("dni.Gradient")
+@message("dniasync.dni.Gradient")
 @dataclass(frozen=True)
 class Gradient:
     """``dL/dh`` for a batch's activations, travelling upstream."""
@@ -109,7 +109,7 @@ class Gradient:
     gradient: torch.Tensor
 
 
-@message("dni.Done")
+@message("dniasync.dni.Done")
 @dataclass(frozen=True)
 class Done:
     """A group has finished with ``batch_id``: nothing more of it will be sent or kept there.
@@ -121,7 +121,7 @@ class Done:
     batch_id: int
 
 
-@message("dni.LossReport")
+@message("dniasync.dni.LossReport")
 @dataclass(frozen=True)
 class LossReport:
     """The last group's real loss on one batch."""
@@ -132,7 +132,7 @@ class LossReport:
     count: int
 
 
-@message("dni.GroupDown")
+@message("dniasync.dni.GroupDown")
 @dataclass(frozen=True)
 class GroupDown:
     """A group failed, stopped, or found a neighbour stopped."""
@@ -141,7 +141,7 @@ class GroupDown:
     reason: str
 
 
-@message("dni.EvalForward")
+@message("dniasync.dni.EvalForward")
 @dataclass(frozen=True)
 class EvalForward:
     """Ask: forward ``activations`` through the group's current weights, eval mode."""
@@ -149,7 +149,7 @@ class EvalForward:
     activations: torch.Tensor
 
 
-@message("dni.EvalOutput")
+@message("dniasync.dni.EvalOutput")
 @dataclass(frozen=True)
 class EvalOutput:
     """Reply to :class:`EvalForward`."""
@@ -157,13 +157,13 @@ class EvalOutput:
     activations: torch.Tensor
 
 
-@message("dni.StatsRequest")
+@message("dniasync.dni.StatsRequest")
 @dataclass(frozen=True)
 class StatsRequest:
     """Ask: counters of a group, and its SG loss since the previous request."""
 
 
-@message("dni.GroupStats")
+@message("dniasync.dni.GroupStats")
 @dataclass(frozen=True)
 class GroupStats:
     """Reply to :class:`StatsRequest`. Mean losses are NaN when nothing was recorded."""
@@ -178,13 +178,13 @@ class GroupStats:
     late_gradients: int
 
 
-@message("dni.StateRequest")
+@message("dniasync.dni.StateRequest")
 @dataclass(frozen=True)
 class StateRequest:
     """Ask: a copy of the group's parameters (tensors only, never pickled)."""
 
 
-@message("dni.GroupState")
+@message("dniasync.dni.GroupState")
 @dataclass(frozen=True)
 class GroupState:
     """Reply to :class:`StateRequest`: ``names[i]`` is the parameter of ``tensors[i]``."""
@@ -193,13 +193,13 @@ class GroupState:
     tensors: list[torch.Tensor]
 
 
-@message("dni.TraceRequest")
+@message("dniasync.dni.TraceRequest")
 @dataclass(frozen=True)
 class TraceRequest:
     """Ask: the events this group recorded, in the order it handled them."""
 
 
-@message("dni.Trace")
+@message("dniasync.dni.Trace")
 @dataclass(frozen=True)
 class Trace:
     """Reply to :class:`TraceRequest`: ``events[i]`` happened to ``batch_ids[i]``."""
