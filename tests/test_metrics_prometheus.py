@@ -1,0 +1,141 @@
+"""Every query of every Grafana panel, run by a real Prometheus scraping a real training run.
+
+A ``--role local`` Downpour job (coordinator, 2 PS shards, 2 replicas: the
+launcher's file-SD targets file) and a node hosting DNI layer groups (a
+second targets file) are scraped every second; once every node is ``up``,
+each panel query of both dashboards (template variables substituted) must
+succeed and return data. ``promtool`` checks each node's exposition.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from _observability import ROOT, DNINode, LocalCluster, Prometheus, fetch, need
+
+DASHBOARDS = ROOT / "grafana" / "dashboards"
+RATE_INTERVAL = "10s"
+DEADLINE_S = 60.0
+
+
+def substitute(expr: str) -> str:
+    expr = expr.replace("$__rate_interval", RATE_INTERVAL)
+    return re.sub(r"\$\{?(job|instance|group)\}?", ".*", expr)
+
+
+def panel_queries() -> list[tuple[str, str, str]]:
+    """(dashboard file, panel title, expr) of every target of every panel."""
+    out = []
+    for path in sorted(DASHBOARDS.glob("*.json")):
+        board = json.loads(path.read_text())
+        for panel in board["panels"]:
+            for target in panel.get("targets", []):
+                out.append((path.name, panel["title"], target["expr"]))
+    return out
+
+
+def variable_queries() -> list[tuple[str, str, str]]:
+    """``label_values(selector, label)`` of every template variable, as a PromQL query."""
+    out = []
+    for path in sorted(DASHBOARDS.glob("*.json")):
+        for var in json.loads(path.read_text())["templating"]["list"]:
+            if var["type"] != "query":
+                continue
+            match = re.fullmatch(r"label_values\((.+), (\w+)\)", var["query"]["query"])
+            assert match, var["query"]
+            out.append((path.name, var["name"], f"count by ({match.group(2)}) ({match.group(1)})"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus, list[str]]]:
+    need("prometheus", "prometheus")
+    tmp = tmp_path_factory.mktemp("prometheus")
+    cluster = LocalCluster(tmp, "metrics-job")
+    dni: DNINode | None = None
+    prometheus: Prometheus | None = None
+    try:
+        dni = DNINode(tmp)
+        dni_targets = tmp / "dni_targets.json"
+        dni_targets.write_text(json.dumps([{"targets": [dni.address], "labels": {"cluster": "dni"}}]))
+        prometheus = Prometheus(tmp, [cluster.targets_file, dni_targets])
+        prometheus.wait_ready()
+        nodes = cluster.wait_targets(5) + [dni.address]
+        deadline = time.monotonic() + DEADLINE_S
+        while True:
+            up = {r["metric"]["instance"]: r["value"][1] for r in prometheus.query('up{job="dniasync"}')}
+            if all(up.get(node) == "1" for node in nodes):
+                break
+            assert time.monotonic() < deadline, f"not every node is up: {up} (want {nodes})\n{cluster.output()}"
+            time.sleep(0.5)
+        yield prometheus, nodes
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        if dni is not None:
+            dni.stop()
+        cluster.stop()
+
+
+def test_dashboards_have_datasource_job_and_instance_variables() -> None:
+    for path in sorted(DASHBOARDS.glob("*.json")):
+        board = json.loads(path.read_text())
+        names = {v["name"]: v for v in board["templating"]["list"]}
+        assert names["datasource"]["type"] == "datasource", path
+        assert {"job", "instance"} <= names.keys(), path
+        for panel in board["panels"]:
+            for target in panel.get("targets", []):
+                assert target["datasource"]["uid"] == "${datasource}", (path.name, panel["title"])
+                expr = target["expr"]
+                if "rate(" in expr or "increase(" in expr:
+                    assert "[$__rate_interval]" in expr, (path.name, panel["title"], expr)
+                if "dniasync_" in expr:
+                    assert 'job=~"$job"' in expr and 'instance=~"$instance"' in expr, (path.name, expr)
+    provisioned = (ROOT / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    assert "uid: dniasync-prometheus" in provisioned
+    assert (DASHBOARDS / "dniasync-overview.json").exists() and (DASHBOARDS / "dniasync-model-parallel.json").exists()
+
+
+def test_every_panel_query_returns_data(scraped: tuple[Prometheus, list[str]]) -> None:
+    prometheus, nodes = scraped
+    queries = panel_queries() + variable_queries()
+    assert len(queries) >= 40
+    pending = {(board, title, substitute(expr)) for board, title, expr in queries}
+    results: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    deadline = time.monotonic() + DEADLINE_S
+    while pending and time.monotonic() < deadline:
+        for key in sorted(pending):
+            result = prometheus.query(key[2])  # asserts status == success
+            if result:
+                results[key] = result
+        pending -= results.keys()
+        if pending:
+            time.sleep(1.0)
+    assert not pending, "queries that returned no data:\n" + "\n".join(f"{b} / {t}: {e}" for b, t, e in sorted(pending))
+    # the template variables list every node, and the DNI groups by name
+    instances = next(r for (b, t, _), r in results.items() if t == "instance" and b == "dniasync-overview.json")
+    assert {r["metric"]["instance"] for r in instances} == set(nodes)
+    groups = next(r for (_, t, _), r in results.items() if t == "group")
+    assert {r["metric"]["group"] for r in groups} == {"layer-group-0", "layer-group-1", "layer-group-2"}
+    roles = next(r for (_, t, _), r in results.items() if t == "Members up by role")
+    assert {r["metric"]["role"]: float(r["value"][1]) for r in roles} == {
+        "coordinator": 1, "ps": 2, "worker": 2, "dni": 1}
+    print(f"{len(results)} dashboard queries returned data")
+
+
+def test_promtool_accepts_every_nodes_metrics(scraped: tuple[Prometheus, list[str]]) -> None:
+    promtool = need("promtool", "prometheus")
+    _, nodes = scraped
+    for node in nodes:
+        text = fetch(f"http://{node}/metrics")
+        assert "dniasync_build_info{" in text
+        done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, (node, done.stdout + done.stderr)
