@@ -492,3 +492,32 @@ def test_message_tags_are_validated() -> None:
         @message("test.Append")
         class Other:
             x: int
+
+
+async def test_a_handler_stuck_on_a_full_mailbox_does_not_hang_shutdown() -> None:
+    class Forwarder(Actor):
+        def __init__(self, target: object) -> None:
+            self.target = target
+
+        @handler(Append)
+        async def forward(self, msg: Append) -> None:
+            await self.target.tell(msg)  # type: ignore[attr-defined]
+
+    release = asyncio.Event()
+    async with ActorSystem(stop_timeout=0.2) as system:
+        sink = await system.spawn(Recorder, name="sink", mailbox_size=1)
+        forwarder = await system.spawn(Forwarder, sink, name="forwarder")
+        blocked = asyncio.create_task(sink.ask(Wait(release)))
+        await asyncio.sleep(0.01)
+        await sink.tell(Append(1))  # the sink's mailbox is now full
+        stuck = asyncio.create_task(forwarder.ask(Append(2)))
+        await asyncio.sleep(0.01)
+        assert not stuck.done()
+        # the forwarder was spawned last, so it is stopped first, while its handler waits for room
+        started = asyncio.get_running_loop().time()
+    assert asyncio.get_running_loop().time() - started < 2
+    with pytest.raises(ActorStopped, match="stopped while handling"):
+        await stuck
+    release.set()
+    with pytest.raises(ActorStopped):
+        await blocked

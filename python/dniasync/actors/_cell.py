@@ -91,6 +91,7 @@ class ActorCell(Supervisor):
         self.restarts = 0
         self.dropped = 0
         self._dispatch: dict[type, tuple[Callable[[Any], Any], bool]] = {}
+        self._killed = False
 
     # -- Destination --------------------------------------------------------
     @property
@@ -140,6 +141,22 @@ class ActorCell(Supervisor):
         self.state = STOPPING
         self.mailbox.put_control(_STOP, front=not drain)
 
+    def kill(self) -> None:
+        """Cancel the message being handled: the stop did not finish in time."""
+        if self.task is not None and not self.task.done():
+            self._killed = True
+            self.task.cancel()
+
+    async def stopped(self, timeout: float) -> None:
+        """Wait until stopped, cancelling a handler that holds the stop up past ``timeout``."""
+        while True:
+            try:
+                await asyncio.wait_for(asyncio.shield(self.done), timeout)
+                return
+            except TimeoutError:
+                log.warning("actor %s did not stop within %g s: cancelling its current message", self.address, timeout)
+                self.kill()
+
     def request_restart(self) -> None:
         if self.alive:
             self.mailbox.put_control(_RESTART, front=True)
@@ -176,6 +193,13 @@ class ActorCell(Supervisor):
                                 reply.set_exception(exc)
                         else:
                             running = await self._recover(exc)
+                    except asyncio.CancelledError:
+                        if not self._killed:
+                            raise
+                        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                        if reply is not None and not reply.done():
+                            reply.set_exception(ActorStopped(self.address, "stopped while handling this message"))
+                        break
                     else:
                         if reply is not None and not reply.done():
                             reply.set_result(result)
@@ -268,7 +292,7 @@ class ActorCell(Supervisor):
     async def _stop_children(self) -> None:
         for child in reversed(list(self.children.values())):
             child.request_stop(drain=False)
-            await asyncio.shield(child.done)
+            await child.stopped(self.system.stop_timeout)
 
     async def _hook(self, coro: Any, what: str) -> None:
         try:

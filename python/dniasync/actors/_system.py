@@ -66,7 +66,10 @@ class ActorSystem:
 
     ``clock`` is the monotonic clock that restart intensity is measured with
     (inject one in tests). ``blocking_threads`` sizes the pool behind
-    :meth:`run_blocking`.
+    :meth:`run_blocking`. An actor whose current message holds up its stop
+    for more than ``stop_timeout`` seconds has that handler cancelled (an
+    ask it was answering fails with ``ActorStopped``), so shutdown never hangs
+    on, say, a handler waiting for room in another actor's full mailbox.
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class ActorSystem:
         supervisor: SupervisorStrategy | None = None,
         clock: Callable[[], float] = time.monotonic,
         blocking_threads: int | None = None,
+        stop_timeout: float = 10.0,
     ) -> None:
         if "@" in node or not node:
             raise ValueError(f"node name must be non-empty and contain no '@', got {node!r}")
@@ -91,6 +95,7 @@ class ActorSystem:
         self._failure: BaseException | None = None
         self._listeners: list[SystemListener] = []
         self._names = itertools.count(1)
+        self.stop_timeout = stop_timeout
         self.restart_count = 0
 
     # -- context manager ----------------------------------------------------
@@ -129,7 +134,7 @@ class ActorSystem:
         self._closing = True
         for cell in reversed(list(self._root.children.values())):
             cell.request_stop(drain=False)
-            await asyncio.shield(cell.done)
+            await cell.stopped(self.stop_timeout)
 
     # -- identity -----------------------------------------------------------
     @property
@@ -238,7 +243,10 @@ class ActorSystem:
         cell.request_stop(drain=drain)
         if cell.task is asyncio.current_task():
             return
-        await asyncio.shield(cell.done)
+        if drain:
+            await asyncio.shield(cell.done)  # draining may take as long as the queue takes
+        else:
+            await cell.stopped(self.stop_timeout)
 
     def deliver(self, name: str, msg: Any, reply: Any) -> bool:
         """Enqueue ``msg`` for the local actor ``name`` without waiting; for transports.
