@@ -1,0 +1,92 @@
+"""The coordinator's built-in live page, loaded in headless Chromium during a real run."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from _observability import LocalCluster, fetch, need
+
+SERIES = ("accuracy", "loss", "samples_per_s", "staleness_mean", "pushed_bytes_per_s", "pulled_bytes_per_s")
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    need("chromium", "chromium")
+    tmp = tmp_path_factory.mktemp("live")
+    cluster = LocalCluster(tmp, "live-job")
+    try:
+        address = cluster.page_address()
+        deadline = time.monotonic() + 60
+        while True:  # until the run has a few evaluations and samples to chart
+            status = json.loads(fetch(f"http://{address}/api/status"))
+            if len(status["history"]) >= 3 and len(status["series"]) >= 3:
+                break
+            assert time.monotonic() < deadline, f"no data on the page:\n{status}\n{cluster.output()}"
+            time.sleep(0.5)
+        yield address, tmp
+    finally:
+        cluster.stop()
+
+
+def chromium(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [need("chromium", "chromium"), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+         f"--user-data-dir={tmp / 'chromium-profile'}", "--virtual-time-budget=4000", *args],
+        capture_output=True, text=True, timeout=90,
+    )
+
+
+def test_status_endpoint_lists_members_and_series(page: tuple[str, Path]) -> None:
+    address, _ = page
+    status = json.loads(fetch(f"http://{address}/api/status"))
+    assert sorted(m["role"] for m in status["members"]) == ["coordinator", "ps", "ps", "worker", "worker"]
+    assert all(m["alive"] for m in status["members"])
+    assert status["job"]["state"] == "training" and status["job"]["mode"] == "downpour"
+    assert list(status["replicas"].values()) == ["alive", "alive"]
+    assert status["history"][-1]["accuracy"] > 0.5
+    assert status["series"][-1]["samples_per_s"] > 0
+    assert sum(status["staleness"]["counts"]) > 0
+
+
+def test_charts_draw_data_in_headless_chromium(page: tuple[str, Path]) -> None:
+    address, tmp = page
+    done = chromium(tmp, "--dump-dom", f"http://{address}/")
+    assert done.returncode == 0, done.stderr[-2000:]
+    dom = done.stdout
+    for name in SERIES:
+        match = re.search(rf'<polyline points="([^"]*)"[^>]*data-series="{name}" data-points="(\d+)"', dom)
+        assert match, f"no {name} line in the page:\n{dom[:3000]}"
+        assert int(match.group(2)) >= 2 and match.group(1).count(",") >= 2, (name, match.group(0))
+    assert re.search(r'data-series="staleness-0" data-count="[1-9]', dom), "empty staleness histogram"
+    assert dom.count('class="up"') >= 5 + 2  # members and replicas, all up
+
+    shot = tmp / "live.png"
+    done = chromium(tmp, "--window-size=1400,1000", f"--screenshot={shot}", f"http://{address}/")
+    assert done.returncode == 0 and shot.exists(), done.stderr[-2000:]
+    image = Image.open(shot).convert("RGB")
+    # the accuracy line (green #2a9d5b) and the samples/s line (blue #2f6fdf) are really drawn
+    colours = {(0x2A, 0x9D, 0x5B): 0, (0x2F, 0x6F, 0xDF): 0}
+    for count, pixel in image.getcolors(1 << 24) or []:
+        for colour in colours:
+            if sum(abs(a - b) for a, b in zip(pixel, colour)) < 40:
+                colours[colour] += count
+    assert all(count > 150 for count in colours.values()), colours
+
+
+def test_page_refuses_foreign_host_names(page: tuple[str, Path]) -> None:
+    address, _ = page
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"http://{address}/api/status", headers={"Host": "attacker.example"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=5)
+    assert err.value.code == 403
