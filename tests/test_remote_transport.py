@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dniasync import Actor, ActorNotFound, ActorRef, ActorSystem, ActorUnreachable, handler, message
+from dniasync import Actor, ActorNotFound, ActorRef, ActorSystem, ActorUnreachable, AskTimeout, handler, message
 from dniasync.remote import DecodeError, RemoteError, RemoteSettings, WebSocketTransport
 
 pytestmark = pytest.mark.timeout(30)
@@ -66,6 +66,19 @@ class Recorder(Actor):
 
 class Unsendable:
     pass
+
+
+@message("test.transport.Nap")
+@dataclass(frozen=True)
+class Nap:
+    seconds: float
+
+
+class Sleeper(Actor):
+    @handler
+    async def nap(self, msg: Nap) -> float:
+        await asyncio.sleep(msg.seconds)
+        return msg.seconds
 
 
 class Sloppy(Actor):
@@ -198,3 +211,16 @@ async def test_a_peer_gone_for_good_is_forgotten_and_dialed_afresh_when_referenc
         assert b.address not in a.peer_states()
         with pytest.raises(ActorUnreachable, match="unreachable"):
             await rec.ask(Read(), timeout=5)
+
+
+async def test_remote_asks_time_out_with_ask_timeout_and_late_replies_are_ignored() -> None:
+    async with two_nodes() as (a, b):
+        await b.system.spawn(Sleeper, name="sleeper")
+        sleeper = a.system.ref(f"sleeper@{b.address}")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(AskTimeout):
+            await sleeper.ask(Nap(0.5), timeout=0.15)
+        assert 0.15 <= loop.time() - started < 0.4
+        assert await sleeper.ask(Nap(0.0), timeout=5) == 0.0  # the late reply to the first ask was dropped
+        assert a.peer_states() == {b.address: "up"}

@@ -31,7 +31,8 @@ class Peer:
         self.state = NEW
         self.reason = ""
         self.conn: Connection | None = None
-        self.pending: dict[int, tuple[asyncio.Future[Any], str]] = {}
+        self.pending: dict[int, tuple[asyncio.Future[Any], str, float, float]] = {}
+        """corr -> (reply future, actor address, deadline on the loop clock, timeout)."""
         self.backlog: list[tuple[int, Encoded]] = []  # tell_nowait before the first connection
         self.attempted = asyncio.Event()  # set after each connection attempt, good or bad
         self.connector: asyncio.Task[None] | None = None
@@ -85,7 +86,7 @@ class Peer:
 
     def fail_pending(self, reason: str) -> None:
         pending, self.pending = self.pending, {}
-        for future, address in pending.values():
+        for future, address, _, _ in pending.values():
             if not future.done():
                 future.set_exception(ActorUnreachable(address, f"node {self.node} went down: {reason}"))
 
@@ -94,7 +95,7 @@ class Peer:
         entry = self.pending.pop(frame.corr, None)
         if entry is None:
             return  # the ask timed out already
-        future, address = entry
+        future, address, _, _ = entry
         if future.done():
             return
         if frame.error is not None:
@@ -124,13 +125,30 @@ class Peer:
 _corr_ids = itertools.count(1)
 
 
-def _expire(future: asyncio.Future[Any], address: str, timeout: float) -> None:
-    if not future.done():
-        future.set_exception(AskTimeout(address, timeout))
+_NEVER = float("inf")
+
+
+def expire_asks(peers: list[Peer], now: float) -> bool:
+    """Fail the asks whose deadline passed with ``AskTimeout``; True if others still wait."""
+    waiting = False
+    for peer in peers:
+        pending = peer.pending
+        for corr, (future, address, deadline, timeout) in list(pending.items()):
+            if deadline <= now:
+                del pending[corr]
+                if not future.done():
+                    future.set_exception(AskTimeout(address, timeout))
+            else:
+                waiting = True
+    return waiting
 
 
 class RemoteDestination:
-    """Where a ref to an actor on another node delivers (see ``actors.Destination``)."""
+    """Where a ref to an actor on another node delivers (see ``actors.Destination``).
+
+    Ask timeouts are enforced by one sweeper per node, every ``ASK_TICK_S``
+    (20 ms): an ``AskTimeout`` comes at most that much after the deadline.
+    """
 
     __slots__ = ("transport", "address", "name", "node")
 
@@ -147,27 +165,25 @@ class RemoteDestination:
     async def ask(self, msg: Any, timeout: float | None) -> Any:
         corr = next(_corr_ids)
         frame = encode(OP_ASK, self.name, corr, msg)
-        peer = self.transport.peer(self.node)
+        transport = self.transport
+        peer = transport.peer(self.node)
         conn = peer.conn or await peer.connection(self.address)
-        loop = conn.loop
-        future: asyncio.Future[Any] = loop.create_future()
+        future: asyncio.Future[Any] = conn.loop.create_future()
         pending = peer.pending
-        pending[corr] = (future, self.address)
-        latency = self.transport.ask_latency
+        if timeout is None:
+            pending[corr] = (future, self.address, _NEVER, 0.0)
+        else:
+            # one sweeper per node expires asks (a timer per ask costs more than the round trip)
+            pending[corr] = (future, self.address, conn.loop.time() + timeout, timeout)
+            transport.watch_deadlines()
+        latency = transport.ask_latency
         started = time.perf_counter() if latency is not None else 0.0  # uvloop's loop.time() is in ms
         try:
             if conn.can_write_now(frame):
                 conn.write_now(frame.single(OP_ASK))
             else:
                 await conn.send(OP_ASK, frame)
-            if timeout is None:
-                value = await future
-            else:
-                handle = loop.call_later(timeout, _expire, future, self.address, timeout)
-                try:
-                    value = await future
-                finally:
-                    handle.cancel()
+            value = await future
             if latency is not None:
                 latency.observe(type(msg), time.perf_counter() - started)
             return value

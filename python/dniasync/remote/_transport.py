@@ -19,7 +19,7 @@ from ..actors import ActorNotFound, ActorRef, ActorStopped, ActorSystem, split_a
 from ._auth import Authenticator
 from ._connection import Connection, WebSocket
 from ._latency import AskLatency
-from ._peer import DOWN, NEW, UP, Peer, RemoteDestination
+from ._peer import DOWN, NEW, UP, Peer, RemoteDestination, expire_asks
 from ._settings import RemoteCounters, RemoteSettings
 
 __all__ = ["PeerListener", "WebSocketTransport", "parse_hostport"]
@@ -35,6 +35,9 @@ H_CLIENT_NONCE = "X-Dniasync-Client-Nonce"
 H_PROOF = "X-Dniasync-Proof"
 
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+
+ASK_TICK_S = 0.02
+"""How often pending remote asks are checked against their deadlines."""
 
 PeerListener = Callable[[str, bool, str], None]
 """Called with (node, up, reason) when a peer comes up or goes down."""
@@ -128,6 +131,7 @@ class WebSocketTransport:
         self._tg: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._connections: set[Connection] = set()
+        self._sweeper: asyncio.Task[None] | None = None
         self._closing = False
 
     # -- lifecycle -------------------------------------------------------------------
@@ -261,6 +265,21 @@ class WebSocketTransport:
             peer.connector.cancel()
         if conn is not None:
             self.spawn_task(conn.close(), f"ws-close:{node}")
+
+    def watch_deadlines(self) -> None:
+        """Make sure the ask-timeout sweeper runs (it stops when no ask waits)."""
+        if self._sweeper is None and not self._closing:
+            self._sweeper = self.spawn_task(self._sweep_asks(), "ask-timeouts")
+
+    async def _sweep_asks(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                await asyncio.sleep(ASK_TICK_S)
+                if not expire_asks(list(self._peers.values()), loop.time()):
+                    return
+        finally:
+            self._sweeper = None
 
     def ensure_connecting(self, peer: Peer) -> None:
         if peer.connector is None and not peer.forgotten and not self._closing:
