@@ -140,3 +140,9 @@ def test_prometheus_config_is_valid() -> None:
     done = subprocess.run([promtool(), "check", "config", str(ROOT / "grafana" / "prometheus.yml")],
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_readme_lists_every_metric() -> None:
+    readme = (ROOT / "README.md").read_text()
+    missing = [m.name for m in METRICS if f"`{m.name}`" not in readme]
+    assert not missing, f"README.md does not list {missing}"
