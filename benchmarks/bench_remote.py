@@ -13,7 +13,9 @@ Run: python benchmarks/bench_remote.py [--quick] [--profile]
 Ray is installed for the benchmark only (``pip install ray``); without it
 that row is skipped. ``--profile`` also writes where the time of an ask goes
 (cProfile of both ends in one process) to results/bench_remote_profile.txt.
-Ratios (bigger is better): ask_vs_bare_ws, ask_vs_ray, tensor_throughput_vs_gloo.
+The metrics-on ask times every ask into the latency histogram and scrapes
+both nodes meanwhile. Ratios (bigger is better): ask_vs_bare_ws, ask_vs_ray,
+tensor_throughput_vs_gloo, remote_ask_metrics_on_vs_off.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import asyncio
 import cProfile
 import io
+import itertools
 import logging
 import os
 import pstats
@@ -88,6 +91,41 @@ async def dniasync_ask(address: str, n: int) -> float:
         for _ in range(n):
             await echo.ask(msg)
         return n / (time.perf_counter() - start)
+
+
+async def dniasync_ask_metrics(address: str, n: int) -> float:
+    """``dniasync_ask`` with metrics on: asks timed into the latency histogram, and both nodes
+    scraped meanwhile (this one every 0.1 s, the remote one over HTTP every 0.5 s)."""
+    import aiohttp
+
+    from dniasync.metrics import NodeMetrics
+
+    async with ActorSystem() as system:
+        transport = WebSocketTransport(system)
+        metrics = NodeMetrics(system, "bench", transport)
+        async with transport, aiohttp.ClientSession() as http:
+
+            async def scrape() -> None:
+                for tick in itertools.count():
+                    await asyncio.sleep(0.1)
+                    metrics.exposition()
+                    if tick % 5 == 4:
+                        async with http.get(f"http://{address}/metrics") as resp:
+                            await resp.read()
+
+            echo = system.ref(f"echo@{address}")
+            msg = Ping(1)
+            for _ in range(200):
+                await echo.ask(msg)
+            scraper = asyncio.create_task(scrape())
+            start = time.perf_counter()
+            for _ in range(n):
+                await echo.ask(msg)
+            rate = n / (time.perf_counter() - start)
+            scraper.cancel()
+            latency = metrics.ask_latency
+            assert latency is not None and latency.by_type[Ping][-2] == 0  # every ask was timed, none over 10 s
+            return rate
 
 
 async def bare_ws_ask(address: str, n: int) -> float:
@@ -304,10 +342,12 @@ def main() -> None:
     n_ask, n_ray, n_tensor, repeats = (3_000, 500, 40, 1) if args.quick else (20_000, 3_000, 250, 3)
     results: dict[str, float] = {}
     bare, dni, dni_tensor, gloo, bare_tensor = [], [], [], [], []
+    dni_metrics: list[float] = []
     with child(dniasync_node()) as (_, node), child([sys.executable, __file__, "--serve-ws"]) as (_, ws):
         for _ in range(repeats + 2):  # interleaved, so drift on a shared machine hits both alike; best of
             bare.append(run_async(bare_ws_ask(ws, n_ask)))
             dni.append(run_async(dniasync_ask(node, n_ask)))
+            dni_metrics.append(run_async(dniasync_ask_metrics(node, n_ask)))
         for _ in range(repeats):
             gloo.append(gloo_tensors(n_tensor, 4))
             dni_tensor.append(run_async(dniasync_tensors(node, n_tensor, 4)))
@@ -315,16 +355,20 @@ def main() -> None:
     ray_rate = ray_ask(n_ray)
     results["bare_ws_ask_per_s"] = max(bare)
     results["dniasync_ask_per_s"] = max(dni)
+    results["dniasync_ask_metrics_per_s"] = max(dni_metrics)
     results["dniasync_tensor_bytes_per_s"] = max(dni_tensor)
     results["gloo_tensor_bytes_per_s"] = max(gloo)
     results["bare_ws_tensor_bytes_per_s"] = max(bare_tensor)
     ratios = {
         "ask_vs_bare_ws": results["dniasync_ask_per_s"] / results["bare_ws_ask_per_s"],
         "tensor_throughput_vs_gloo": results["dniasync_tensor_bytes_per_s"] / results["gloo_tensor_bytes_per_s"],
+        "remote_ask_metrics_on_vs_off": results["dniasync_ask_metrics_per_s"] / results["dniasync_ask_per_s"],
     }
     rows = [
         ("small ask: bare aiohttp ws echo", f"{results['bare_ws_ask_per_s']:,.0f}/s", "1.00 (floor)"),
         ("small ask: dniasync", f"{results['dniasync_ask_per_s']:,.0f}/s", f"{ratios['ask_vs_bare_ws']:.2f} of bare ws"),
+        ("small ask: dniasync, metrics on", f"{results['dniasync_ask_metrics_per_s']:,.0f}/s",
+         f"{ratios['remote_ask_metrics_on_vs_off']:.2f} of metrics off"),
     ]
     if ray_rate is not None:
         results["ray_ask_per_s"] = ray_rate
