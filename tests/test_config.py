@@ -135,7 +135,7 @@ BAD: list[tuple[str, Any, str, str]] = [
     ("hogwild", {"n_workers": 2}, "hogwild", "section '\\[hogwild\\]' does not apply"),
     ("job", DELETE, "job", "missing required section '\\[job\\]'"),
     ("model", 3, "model", "'model' must be a table"),
-    ("job.mode", "dni", "job.mode", "'job.mode' is 'dni'; choose one of 'downpour', 'hogwild'"),
+    ("job.mode", "spectrain", "job.mode", "'job.mode' is 'spectrain'; choose one of 'downpour', 'hogwild', 'dni'"),
     ("job.mode", DELETE, "job.mode", "missing required key 'job.mode'"),
     ("job.name", "a b", "job.name", "'job.name' must use only"),
     ("job.seed", -1, "job.seed", "'job.seed' must be at least 0"),

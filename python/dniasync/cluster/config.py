@@ -8,8 +8,8 @@ directory of the process that reads the config.
 
 ``[job]``
   ``name`` (str, default ``"dniasync-job"``): letters, digits, ``_ . -``.
-  ``mode`` (str, required): ``"downpour"`` or ``"hogwild"``; the mode's own
-  section (``[downpour]`` / ``[hogwild]``) may appear, the other may not.
+  ``mode`` (str, required): ``"downpour"``, ``"hogwild"`` or ``"dni"``; the mode's own
+  section (``[downpour]`` / ``[hogwild]`` / ``[dni]``) may appear, the others may not.
   ``seed`` (int >= 0, default 0): model init, split, shard order.
   ``output_dir`` (str, default ``"runs/<name>"``): where the summary JSON and PNG go.
 
@@ -60,6 +60,34 @@ directory of the process that reads the config.
 ``[hogwild]`` (mode ``hogwild``)
   ``n_workers`` (int >= 1, default 1): processes sharing one ``ParamStore``; at most ``n_train``.
 
+``[dni]`` (mode ``dni``: model parallelism with Decoupled Neural Interfaces)
+  The model factory must return an ``nn.Sequential``; it is cut into layer
+  groups, each hosted by a ``LayerGroup`` actor in a worker process. With
+  ``replicas = 1`` each group trains with ``[optimizer]`` locally (``adam`` or
+  ``sgd``; ``lr`` only); with ``replicas > 1`` (DNI x Downpour) every group has
+  one PS shard that applies ``[optimizer]`` to the pushes of that group's replicas.
+  ``groups`` (array of arrays of ints, required): layer indices of the
+  ``nn.Sequential`` per group, e.g. ``[[0, 1], [2, 3], [4]]``; contiguous,
+  ordered, every layer in exactly one group (checked against the model at start).
+  ``variant`` (str, default ``"cdni"``): ``dni`` (synthetic gradients), ``cdni``
+  (synthetic gradients conditioned on the labels) or ``sync`` (the synchronous
+  pipeline baseline: real backprop, GPipe-style micro-batches).
+  ``synthetic_inputs`` (bool, default false): groups after the first also learn to
+  predict their input from the raw data; not with ``sync``.
+  ``sg_hidden_layers`` (int >= 0, default 0: linear), ``sg_hidden_width`` (int >= 0,
+  default 0: as wide as the activations), ``sg_lr`` (float > 0, default 1e-4):
+  the synthetic-gradient model's shape and Adam learning rate; not with ``sync``.
+  ``max_in_flight`` (int >= 1, default 4): mini-batches in a DNI pipeline at once.
+  ``micro_batches`` (int >= 1, default 4, at most ``data.batch_size``): ``sync`` only.
+  ``replicas`` (int >= 1, default 1): pipelines, each on its own data shard;
+  more than one is DNI x Downpour.
+  ``n_fetch`` / ``n_push`` (int >= 1, default 1): with ``replicas > 1`` only; a
+  group replica pulls its parameters every ``n_fetch`` steps and pushes its
+  accumulated gradient every ``n_push``.
+  ``placement`` (array of ints, default one worker process per group): the worker
+  (0, 1, ...) hosting each group of a pipeline; every worker from 0 to the
+  largest must host a group. Worker processes: (largest + 1) x ``replicas``.
+
 ``[stop]`` (whichever comes first)
   ``max_epochs`` (int >= 1, default 10): passes over the training set, all shards together.
   ``target_accuracy`` (float in (0, 1], optional): held-out accuracy to stop at.
@@ -68,6 +96,8 @@ directory of the process that reads the config.
 ``[eval]`` (at most one of the two; default every 2 seconds)
   ``every_seconds`` (float > 0): evaluate on the held-out set this often.
   ``every_steps`` (int >= 1): ... or after this many mini-batch steps, all replicas together.
+  In mode ``dni`` evaluation happens between chunks of mini-batches (a pipeline
+  drains first), so ``every_seconds`` is a lower bound on the interval.
 
 Adding a mode (e.g. DNI): write its settings dataclass and a ``_parse_<mode>``
 function, add it to ``_MODE_PARSERS`` and to the ``ModeSettings`` union.
@@ -95,6 +125,8 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "DNIConfig",
+    "DNI_VARIANTS",
     "DownpourConfig",
     "EvalConfig",
     "HogwildConfig",
@@ -110,6 +142,8 @@ __all__ = [
 OPTIMIZERS: Final = ("adagrad", "sgd", "momentum", "nesterov", "adam")
 CODECS: Final = ("none", "threshold", "onebit", "int8")
 STALENESS_POLICIES: Final = ("none", "inverse", "bound")
+DNI_VARIANTS: Final = ("dni", "cdni", "sync")
+DNI_LOCAL_OPTIMIZERS: Final = ("adam", "sgd")
 
 _DEFAULT_EPS: Final = {"adagrad": 1e-10, "adam": 1e-8}
 _NAME_RE: Final = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -197,7 +231,39 @@ class HogwildConfig:
     n_workers: int = 1
 
 
-ModeSettings = DownpourConfig | HogwildConfig
+@dataclass(frozen=True)
+class DNIConfig:
+    """``[dni]``: the cut into layer groups, the DNI variant, SG models, placement, replicas."""
+
+    groups: tuple[tuple[int, ...], ...]
+    variant: str = "cdni"
+    synthetic_inputs: bool = False
+    sg_hidden_layers: int = 0
+    sg_hidden_width: int = 0
+    sg_lr: float = 1e-4
+    max_in_flight: int = 4
+    micro_batches: int = 4
+    replicas: int = 1
+    n_fetch: int = 1
+    n_push: int = 1
+    placement: tuple[int, ...] | None = None
+
+    @property
+    def group_workers(self) -> tuple[int, ...]:
+        """The worker (within one pipeline) that hosts each group."""
+        return self.placement if self.placement is not None else tuple(range(len(self.groups)))
+
+    @property
+    def workers_per_pipeline(self) -> int:
+        return max(self.group_workers) + 1
+
+    @property
+    def n_workers(self) -> int:
+        """Worker processes the job needs: one per placement slot per replica."""
+        return self.workers_per_pipeline * self.replicas
+
+
+ModeSettings = DownpourConfig | HogwildConfig | DNIConfig
 
 
 @dataclass(frozen=True)
@@ -249,10 +315,19 @@ class Config:
         return self.settings
 
     @property
+    def dni(self) -> DNIConfig:
+        """The DNI settings; a :class:`ConfigError` in another mode."""
+        if not isinstance(self.settings, DNIConfig):
+            raise ConfigError(f"job.mode is {self.mode!r}, not 'dni'", "job.mode")
+        return self.settings
+
+    @property
     def n_data_shards(self) -> int:
-        """How many disjoint training shards: one per replica or worker."""
+        """How many disjoint training shards: one per replica, worker or DNI pipeline."""
         if isinstance(self.settings, DownpourConfig):
             return self.settings.n_replicas
+        if isinstance(self.settings, DNIConfig):
+            return self.settings.replicas
         return self.settings.n_workers
 
     def to_dict(self) -> dict[str, Any]:
@@ -272,7 +347,7 @@ class Config:
                 if isinstance(item, Mapping):
                     item = dict(item)
                 elif isinstance(item, tuple):
-                    item = list(item)
+                    item = [list(i) if isinstance(i, tuple) else i for i in item]
                 table[f.name] = item
             out[section] = table
         return out
@@ -514,6 +589,89 @@ def _parse_hogwild(s: _Section) -> HogwildConfig:
     return HogwildConfig(n_workers=s.integer("n_workers", 1, minimum=1))
 
 
+def _int_list(s: _Section, key: str, value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple):
+        raise s.error(key, f"must be an array of {what}, got {_type_name(value)}")
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise s.error(key, f"must hold only integers ({what}), got {item!r}")
+    return tuple(value)
+
+
+def _parse_dni(s: _Section) -> DNIConfig:
+    raw_groups = s.table.get("groups", _MISSING)
+    if raw_groups is _MISSING:
+        raise ConfigError(f"missing required key '{s.key('groups')}'", s.key("groups"))
+    if not isinstance(raw_groups, list | tuple) or not raw_groups:
+        raise s.error("groups", f"must be a non-empty array of arrays of layer indices, got {raw_groups!r}")
+    groups = tuple(_int_list(s, "groups", g, "layer indices per group") for g in raw_groups)
+    for k, group in enumerate(groups):
+        if not group:
+            raise s.error("groups", f"group {k} is empty")
+    variant = s.string("variant", DNIConfig.variant, choices=DNI_VARIANTS)
+    for key in ("synthetic_inputs", "sg_hidden_layers", "sg_hidden_width", "sg_lr", "max_in_flight"):
+        s.only_for(key, "variant", variant, ("dni", "cdni"))
+    s.only_for("micro_batches", "variant", variant, ("sync",))
+    replicas = s.integer("replicas", 1, minimum=1)
+    for key in ("n_fetch", "n_push"):
+        if s.given(key) and replicas == 1:
+            raise s.error(key, "applies only when dni.replicas > 1 (DNI x Downpour)")
+    placement = None
+    if s.given("placement"):
+        placement = _int_list(s, "placement", s.table["placement"], "worker indices")
+        if len(placement) != len(groups):
+            raise s.error("placement", f"has {len(placement)} entries for {len(groups)} groups (one worker per group)")
+        if min(placement) < 0:
+            raise s.error("placement", f"worker indices must be >= 0, got {list(placement)}")
+        unused = sorted(set(range(max(placement) + 1)) - set(placement))
+        if unused:
+            raise s.error("placement", f"leaves workers {unused} without a group; number workers 0, 1, ... in use")
+    return DNIConfig(
+        groups=groups,
+        variant=variant,
+        synthetic_inputs=s.boolean("synthetic_inputs", False),
+        sg_hidden_layers=s.integer("sg_hidden_layers", DNIConfig.sg_hidden_layers, minimum=0),
+        sg_hidden_width=s.integer("sg_hidden_width", DNIConfig.sg_hidden_width, minimum=0),
+        sg_lr=s.number("sg_lr", DNIConfig.sg_lr, low=0.0, low_open=True),
+        max_in_flight=s.integer("max_in_flight", DNIConfig.max_in_flight, minimum=1),
+        micro_batches=s.integer("micro_batches", DNIConfig.micro_batches, minimum=1),
+        replicas=replicas,
+        n_fetch=s.integer("n_fetch", 1, minimum=1),
+        n_push=s.integer("n_push", 1, minimum=1),
+        placement=placement,
+    )
+
+
+def _check_dni(config: Config, raw_optimizer: Mapping[str, Any]) -> None:
+    """Cross-section rules of mode ``dni`` (the optimizer the groups can apply, micro-batch size)."""
+    d = config.dni
+    if d.variant == "sync" and d.micro_batches > config.data.batch_size:
+        raise ConfigError(
+            f"'dni.micro_batches' is {d.micro_batches}, more than data.batch_size = {config.data.batch_size}",
+            "dni.micro_batches",
+        )
+    if config.optimizer.clip_norm is not None:
+        raise ConfigError("'optimizer.clip_norm' does not apply in mode 'dni'", "optimizer.clip_norm")
+    if d.replicas == 1:  # each group steps its own torch optimizer: only its name and lr apply
+        if config.optimizer.name not in DNI_LOCAL_OPTIMIZERS:
+            raise ConfigError(
+                f"'optimizer.name' is {config.optimizer.name!r}; layer groups train with "
+                f"{' or '.join(map(repr, DNI_LOCAL_OPTIMIZERS))} (any optimizer with dni.replicas > 1, "
+                "where PS shards apply it)",
+                "optimizer.name",
+            )
+        opt = config.optimizer
+        defaults = {"momentum": OptimizerConfig.momentum, "weight_decay": 0.0, "betas": OptimizerConfig.betas,
+                    "eps": _DEFAULT_EPS.get(opt.name, OptimizerConfig.eps)}
+        for key, default in defaults.items():
+            if key in raw_optimizer and getattr(opt, key) != default:
+                raise ConfigError(
+                    f"'optimizer.{key}' does not apply in mode 'dni' with dni.replicas = 1 "
+                    "(layer groups use the optimizer's name and lr only)",
+                    f"optimizer.{key}",
+                )
+
+
 def _parse_stop(s: _Section) -> StopConfig:
     return StopConfig(
         max_epochs=s.integer("max_epochs", StopConfig.max_epochs, minimum=1),
@@ -540,6 +698,11 @@ _MODE_PARSERS: Final[dict[str, tuple[_ModeParser, tuple[str, ...]]]] = {
          "block", "staleness", "max_staleness"),
     ),
     "hogwild": (_parse_hogwild, ("n_workers",)),
+    "dni": (
+        _parse_dni,
+        ("groups", "variant", "synthetic_inputs", "sg_hidden_layers", "sg_hidden_width", "sg_lr",
+         "max_in_flight", "micro_batches", "replicas", "n_fetch", "n_push", "placement"),
+    ),
 }
 MODES: Final = tuple(_MODE_PARSERS)
 
@@ -591,7 +754,9 @@ def parse_config(raw: Mapping[str, Any], *, resolve: bool = True) -> Config:
         stop=_parse_stop(_section(raw, "stop", _SECTIONS["stop"])),
         eval=_parse_eval(_section(raw, "eval", _SECTIONS["eval"])),
     )
-    shards_key = "downpour.n_replicas" if job.mode == "downpour" else f"{job.mode}.n_workers"
+    if job.mode == "dni":
+        _check_dni(config, raw.get("optimizer", {}))
+    shards_key = {"downpour": "downpour.n_replicas", "dni": "dni.replicas"}.get(job.mode, f"{job.mode}.n_workers")
     if config.n_data_shards > config.data.n_train:
         raise ConfigError(
             f"'{shards_key}' is {config.n_data_shards}, more than data.n_train = "
@@ -618,6 +783,8 @@ def _resolve(config: Config) -> None:
         model = build_model(spec, kwargs, seed=config.job.seed)
     except ModelFactoryError as e:
         raise ConfigError(f"'model.kwargs': {e}", "model.kwargs") from None
+    if isinstance(config.settings, DNIConfig):
+        _resolve_groups(config.settings, model)
     n_params = count_parameters(model)
     if isinstance(config.settings, DownpourConfig) and config.settings.n_ps_shards > n_params:
         raise ConfigError(
@@ -636,6 +803,23 @@ def _resolve(config: Config) -> None:
             f"examples of {data.dataset!r}",
             "data.n_train",
         )
+
+
+def _resolve_groups(d: DNIConfig, model: Any) -> None:
+    """The cut must fit the model: an ``nn.Sequential`` whose layers the groups cover exactly."""
+    from torch import nn
+
+    from dniasync.train.dni import GroupConfigError, validate_groups
+
+    if not isinstance(model, nn.Sequential):
+        raise ConfigError(
+            f"'model.factory' returns a {type(model).__name__}; mode 'dni' cuts an nn.Sequential into layer groups",
+            "model.factory",
+        )
+    try:
+        validate_groups(d.groups, len(model))
+    except GroupConfigError as e:
+        raise ConfigError(f"'dni.groups': {e}", "dni.groups") from None
 
 
 def load_config(path: str | Path, *, resolve: bool = True) -> Config:
