@@ -438,7 +438,8 @@ class NodeMetrics(Collector):
             yield _one(REPLICA_PULLS, sum(r.pulls for r in reps))
             yield _labelled(REPLICA_BYTES, [(("push",), pushed), (("pull",), sum(r.bytes_pulled for r in reps))])
             yield _one(REPLICA_DENSE_BYTES, dense)
-            yield _one(REPLICA_COMPRESSION, dense / pushed if pushed else 1.0)
+            if pushed:  # Hogwild workers push nothing: no ratio to report
+                yield _one(REPLICA_COMPRESSION, dense / pushed)
             losses = [r.loss for r in reps if r.loss == r.loss]  # NaN until the first report
             if losses:
                 yield _one(REPLICA_LOSS, sum(losses) / len(losses))
