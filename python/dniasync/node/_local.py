@@ -126,6 +126,19 @@ def _bar(status: JobStatusReply, width: int = 24) -> str:
     )
 
 
+def _processes(config: Config) -> tuple[int, int]:
+    """(PS processes, worker processes) the job needs."""
+    if config.mode == "downpour":
+        return config.downpour.n_ps_shards, config.n_data_shards
+    if config.mode == "dni":  # a PS shard per layer group only when groups are replicated
+        return (len(config.dni.groups) if config.dni.replicas > 1 else 0), config.dni.n_workers
+    return 0, config.n_data_shards
+
+
+def _worker_kind(config: Config) -> str:
+    return {"downpour": "replica", "dni": "layer-group worker"}.get(config.mode, "worker")
+
+
 def _summary(config: Config, status: JobStatusReply, out: IO[str]) -> None:
     doc: dict[str, Any] = {}
     if status.summary and Path(status.summary).exists():
@@ -141,6 +154,14 @@ def _summary(config: Config, status: JobStatusReply, out: IO[str]) -> None:
     if config.mode == "downpour":
         print(f"  bytes pushed       {doc.get('bytes_pushed', 0):,} (codec {config.downpour.codec})", file=out)
         print(f"  bytes pulled       {doc.get('bytes_pulled', 0):,}", file=out)
+    if config.mode == "dni":
+        metrics = doc.get("metrics", {})
+        print(f"  layer groups       {len(config.dni.groups)} x {config.dni.replicas} pipeline(s),"
+              f" variant {config.dni.variant}{' + synthetic inputs' if config.dni.synthetic_inputs else ''},"
+              f" {metrics.get('train_samples_per_s', 0):,.0f} training samples/s", file=out)
+        for key in sorted(k for k in metrics if k.endswith("_sg_loss_last")):
+            group = key.removesuffix("_sg_loss_last")
+            print(f"  {group + ' SG loss':18s} {metrics[group + '_sg_loss_first']:.3g} -> {metrics[key]:.3g}", file=out)
     for event in doc.get("events", []):
         if event.get("kind") != "replica_joined":
             details = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("kind", "wall_s"))
@@ -175,16 +196,16 @@ async def _run(config_path: str, config: Config, out: IO[str]) -> int:
             future.add_done_callback(noted)
             return future
 
-        n_ps = config.downpour.n_ps_shards if config.mode == "downpour" else 0
+        n_ps, n_workers = _processes(config)
         for i in range(n_ps):
             child = await _spawn(cluster, "ps", i, join)
             pumps.append(asyncio.create_task(_pump(child, listening_at(child))))
-        for i in range(config.n_data_shards):
+        for i in range(n_workers):
             child = await _spawn(cluster, "worker", i, join)
             pumps.append(asyncio.create_task(_pump(child, listening_at(child))))
         cluster.write_files(config.job.name)
         print(f"{config.job.name}: coordinator on {coordinator.address}, {n_ps} PS shard(s), "
-              f"{config.n_data_shards} {'replica' if config.mode == 'downpour' else 'worker'}(s); "
+              f"{n_workers} {_worker_kind(config)}(s); "
               f"logs in {cluster.out / 'logs'}", file=out, flush=True)
         print(f"live page: http://{coordinator.address}/ (Prometheus targets: {cluster.out / PROMETHEUS_TARGETS})",
               file=out, flush=True)
@@ -208,9 +229,9 @@ async def _run(config_path: str, config: Config, out: IO[str]) -> int:
                     elif time.monotonic() - last_line >= 5.0 or status.state == "finished":
                         print(line, file=out, flush=True)
                         last_line = time.monotonic()
-                    if status.state == "finished":
+                    if status.state in ("finished", "failed"):
                         _summary(config, status, out)
-                        return 0
+                        return 0 if status.state == "finished" else 1
                 try:
                     await asyncio.wait_for(stop.wait(), 0.5)
                 except TimeoutError:

@@ -3,20 +3,27 @@
 With a job config (``--config job.toml`` holding ``[job]``), the coordinator
 node also runs the :class:`~dniasync.cluster.coordinator.TrainingCoordinator`;
 every ``ps`` node runs a PS host that asks it for a shard to serve, and every
-``worker`` node runs a replica that asks it for data. Without a job they
-find no trainer and stay plain cluster members.
+``worker`` node asks it once what the job is, then runs a replica that asks
+it for data (Downpour, Hogwild) or a group host that asks it which layer
+groups to host (DNI). Without a job they find no trainer and stay plain
+cluster members.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import tomllib
+from dataclasses import dataclass
 
 import torch
 
+from ..actors import Actor, ActorError, handler, message
 from ..cluster.config import load_config
 from ..cluster.coordinator import COORDINATOR_NAME, PSHost, TrainingCoordinator
-from ..train.replica import Replica
+from ..cluster.dni_job import DNIJob, GroupHost
+from ..train.messages import JobStatus, JobStatusReply
+from ..train.replica import Replica, no_such_actor
 from ._roles import NodeContext, register_role, start_coordinator, start_member
 
 __all__ = ["job_config_path", "start_training_coordinator", "start_training_ps", "start_training_worker"]
@@ -48,7 +55,8 @@ async def start_training_coordinator(context: NodeContext) -> None:
         return
     torch.set_num_threads(1)
     config = load_config(path)
-    await context.system.spawn(TrainingCoordinator, config, name=COORDINATOR_NAME)
+    job = DNIJob if config.mode == "dni" else TrainingCoordinator
+    await context.system.spawn(job, config, name=COORDINATOR_NAME)
     log.info("running job %s (%s) from %s", config.job.name, config.mode, path)
 
 
@@ -57,10 +65,58 @@ async def start_training_ps(context: NodeContext) -> None:
     await context.system.spawn(PSHost, _trainer(context), name="ps-host")
 
 
+@message("dniasync.node.WorkerBegin")
+@dataclass(frozen=True)
+class _Begin:
+    pass
+
+
+class WorkerHost(Actor):
+    """Asks the coordinator's trainer once which kind of job runs, then starts this worker's part of it.
+
+    A DNI job gets a :class:`GroupHost` (layer groups); any other job a
+    :class:`Replica` named ``replica-<host>-<port>``.
+    """
+
+    def __init__(self, trainer: str, retry_s: float = 0.5) -> None:
+        self.trainer = trainer
+        self.retry_s = retry_s
+        self.started = False
+
+    async def on_start(self) -> None:
+        self.ref.tell_nowait(_Begin())
+
+    def _poke(self) -> None:
+        try:
+            self.ref.tell_nowait(_Begin())
+        except ActorError:
+            pass
+
+    @handler
+    async def begin(self, msg: _Begin) -> None:
+        if self.started:
+            return
+        try:
+            status = await self.system.ref(self.trainer).ask(JobStatus(), timeout=10.0)
+        except ActorError as exc:
+            if no_such_actor(exc):
+                log.info("worker: the coordinator runs no training job; idle")
+                return
+            log.info("worker: coordinator not reachable yet (%s); retrying", exc)
+            asyncio.get_running_loop().call_later(self.retry_s, self._poke)
+            return
+        assert isinstance(status, JobStatusReply)
+        self.started = True
+        if status.mode == "dni":
+            await self.system.spawn(GroupHost, self.trainer, name="group-host")
+        else:
+            await self.system.spawn(Replica, self.trainer, name=f"replica-{_slug(self.system.node)}")
+
+
 async def start_training_worker(context: NodeContext) -> None:
     await start_member(context)
     torch.set_num_threads(1)
-    await context.system.spawn(Replica, _trainer(context), name=f"replica-{_slug(context.transport.address)}")
+    await context.system.spawn(WorkerHost, _trainer(context), name="worker-host")
 
 
 register_role("coordinator", start_training_coordinator)

@@ -218,6 +218,11 @@ class PipelineDriver:
         self._monitor: ActorRef | None = None
         self._next_batch = 0
 
+    @property
+    def samples_done(self) -> int:
+        """Examples the last group has trained on so far (counted from its loss reports)."""
+        return self._progress.seen
+
     async def __aenter__(self) -> PipelineDriver:
         await self.start()
         return self
