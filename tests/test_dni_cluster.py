@@ -1,0 +1,157 @@
+"""DNI jobs end to end: the real launcher, real processes, layer groups talking over loopback websockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+DIGITS = """
+[job]
+name = "{name}"
+mode = "dni"
+seed = 0
+output_dir = "{out}"
+
+[model]
+factory = "dniasync.train.models:mlp"
+
+[model.kwargs]
+sizes = [64, 64, 10]
+
+[data]
+dataset = "digits"
+n_train = 1400
+n_test = 397
+batch_size = 32
+
+[optimizer]
+name = "adam"
+lr = 1e-3
+
+[dni]
+groups = [[0, 1], [2]]
+variant = "cdni"
+max_in_flight = 4
+
+[stop]
+max_epochs = {epochs}
+max_seconds = {seconds}
+
+[eval]
+every_seconds = 0.5
+"""
+
+
+def write_job(tmp_path: Path, name: str, *, epochs: int = 8, seconds: float = 120) -> tuple[Path, Path]:
+    out = tmp_path / name
+    path = tmp_path / f"{name}.toml"
+    path.write_text(DIGITS.format(name=name, out=out, epochs=epochs, seconds=seconds))
+    return path, out
+
+
+def launch(config: Path, role: str = "local", timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dniasync.node", "--role", role, "--config", str(config)],
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def summary(out: Path) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    return doc
+
+
+def test_two_group_cdni_job_trains_digits_in_separate_processes(tmp_path: Path) -> None:
+    config, out = write_job(tmp_path, "dni2")
+    proc = launch(config)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = summary(out)
+    assert doc["stop_reason"] == "trained 8 epochs"
+    assert doc["samples"] == 8 * 1400
+    assert doc["final_accuracy"] >= 0.85, doc["history"]
+    assert len(doc["history"]) >= 2 and doc["history"][0]["accuracy"] < doc["final_accuracy"]
+    metrics = doc["metrics"]
+    # every group trained, the first from synthetic gradients its SG model learned from the second's
+    assert metrics["group0_steps"] > 0 and metrics["group1_steps"] > 0
+    assert metrics["group0_sg_steps"] > 0 and "group0_sg_loss_last" in metrics
+    assert metrics["train_samples_per_s"] > 0
+    # the groups lived in the two worker processes, not in the coordinator
+    children = json.loads((out / "cluster.json").read_text())["children"]
+    workers = {c["address"] for c in children if c["role"] == "worker"}
+    coordinator = next(c["address"] for c in children if c["role"] == "coordinator")
+    hosts = {metrics["group0_address"].split("@")[1], metrics["group1_address"].split("@")[1]}
+    assert hosts == workers and coordinator not in hosts
+    assert (out / "accuracy.png").stat().st_size > 1000
+    assert "layer groups       2 x 1 pipeline(s), variant cdni" in proc.stdout
+
+
+def _worker_hosting(out: Path, group: int) -> dict[str, Any] | None:
+    if not (out / "cluster.json").exists():
+        return None
+    for child in json.loads((out / "cluster.json").read_text())["children"]:
+        log = Path(child["log"])
+        if child["role"] == "worker" and log.exists() and f"hosting layer groups [{group}]" in log.read_text():
+            return child  # type: ignore[no-any-return]
+    return None
+
+
+def test_killed_group_process_fails_the_run_naming_the_group(tmp_path: Path) -> None:
+    config, out = write_job(tmp_path, "dnikill", epochs=100_000, seconds=60)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        victim = None
+        coordinator_log = out / "logs" / "coordinator0.log"
+        while time.monotonic() < deadline and victim is None:
+            # kill once the pipeline has trained and been evaluated at least once
+            if coordinator_log.exists() and "eval:" in coordinator_log.read_text():
+                victim = _worker_hosting(out, 1)
+            time.sleep(0.1)
+        assert victim is not None, "the pipeline never started training"
+        os.kill(victim["pid"], signal.SIGKILL)
+        stdout, stderr = launcher.communicate(timeout=45)  # well before max_seconds: no hang
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 1, stdout + stderr
+    doc = summary(out)
+    group = f"layer-group-1@{victim['address']}"
+    assert doc["stop_reason"].startswith(f"failed: layer group {group} is down"), doc["stop_reason"]
+    failed = [e for e in doc["events"] if e["kind"] == "group_failed"]
+    assert len(failed) == 1 and failed[0]["group"] == group
+    assert doc["wall_s"] < 50
+    assert group in stdout
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (("groups = [[0, 1], [2]]", "groups = [[0, 1], [1, 2]]"), "'dni.groups': layer 1 is in group 0 and in group 1"),
+        (("groups = [[0, 1], [2]]", "groups = [[0, 1]]"), r"'dni.groups': layers [2] are in no group"),
+        (("groups = [[0, 1], [2]]", "groups = [[0, 1], []]"), "'dni.groups' group 1 is empty"),
+        (('variant = "cdni"', 'variant = "cdnii"'), "'dni.variant' is 'cdnii'"),
+        (("max_in_flight = 4", "max_inflight = 4"), "unknown key 'dni.max_inflight' (did you mean 'max_in_flight'?)"),
+        (('name = "adam"', 'name = "adagrad"'), "'optimizer.name' is 'adagrad'"),
+    ],
+)
+@pytest.mark.parametrize("role", ["local", "coordinator"])
+def test_bad_dni_configs_fail_at_start_naming_the_problem(
+    tmp_path: Path, edit: tuple[str, str], message: str, role: str
+) -> None:
+    config, out = write_job(tmp_path, "bad")
+    config.write_text(config.read_text().replace(*edit))
+    proc = launch(config, role=role, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr
+    assert not (out / "logs").exists()  # nothing was started
