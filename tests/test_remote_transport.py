@@ -224,3 +224,10 @@ async def test_remote_asks_time_out_with_ask_timeout_and_late_replies_are_ignore
         assert 0.15 <= loop.time() - started < 0.4
         assert await sleeper.ask(Nap(0.0), timeout=5) == 0.0  # the late reply to the first ask was dropped
         assert a.peer_states() == {b.address: "up"}
+
+
+async def test_refs_to_malformed_nodes_are_refused() -> None:
+    async with two_nodes() as (a, _):
+        for address in ("x@nohost", "x@evil.example/path:80", "x@host:99999", "x@a b:1"):
+            with pytest.raises(ValueError):
+                a.system.ref(address)

@@ -35,6 +35,7 @@ H_CLIENT_NONCE = "X-Dniasync-Client-Nonce"
 H_PROOF = "X-Dniasync-Proof"
 
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+_NOT_IN_HOST = frozenset("/?#@\\ \t\r\n%")
 
 ASK_TICK_S = 0.02
 """How often pending remote asks are checked against their deadlines."""
@@ -48,6 +49,8 @@ def parse_hostport(text: str) -> tuple[str, int]:
     host, sep, port_text = text.rpartition(":")
     if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise ValueError(f"expected HOST:PORT, got {text!r}")
+    if any(c in _NOT_IN_HOST for c in host) or len(host) > 255:
+        raise ValueError(f"not a host name: {host!r}")
     return host.strip("[]"), int(port_text)
 
 
@@ -209,6 +212,7 @@ class WebSocketTransport:
     # -- the Transport protocol of actors -------------------------------------------
     def destination(self, address: str) -> RemoteDestination:
         name, node = split_address(address)
+        parse_hostport(node)  # a node is HOST:PORT; refuse anything that would not be a URL's authority
         return RemoteDestination(self, address, name, node)
 
     def resolve_ref(self, address: str) -> ActorRef:
