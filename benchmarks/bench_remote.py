@@ -406,8 +406,10 @@ def _plot(results: dict[str, float], path: Path) -> None:
     left.bar(list(shown), list(shown.values()), color=["grey", "tab:blue", "tab:orange"][: len(shown)])
     left.set_ylabel("round trips / s")
     left.set_title("small ask, two processes")
-    right.bar(["gloo", "dniasync"], [results["gloo_tensor_bytes_per_s"] / 1e9,
-                                     results["dniasync_tensor_bytes_per_s"] / 1e9], color=["grey", "tab:blue"])
+    right.bar(["gloo", "bare ws", "dniasync"], [results["gloo_tensor_bytes_per_s"] / 1e9,
+                                                results["bare_ws_tensor_bytes_per_s"] / 1e9,
+                                                results["dniasync_tensor_bytes_per_s"] / 1e9],
+              color=["grey", "silver", "tab:blue"])
     right.set_ylabel("GB/s")
     right.set_title("4 MiB float32 tensors, one way")
     fig.tight_layout()
