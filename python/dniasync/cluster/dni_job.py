@@ -14,8 +14,8 @@ are :class:`~dniasync.train.dni_replica.ReplicatedLayerGroup` actors.
 Once every group is up, the job drives one
 :class:`~dniasync.train.pipeline.PipelineDriver` per pipeline over the remote
 refs, each pipeline on its own data shard; evaluates the whole model on the
-held-out set at intervals (through the groups' current weights, or the PS
-shards' with replicas); stops at the epoch budget, the target accuracy or
+held-out set at intervals (on a copy of the groups' current weights, or of
+the PS shards' with replicas, so evaluating takes no time from the groups); stops at the epoch budget, the target accuracy or
 the time limit; and writes ``summary.json`` and ``accuracy.png``. A group
 that dies stops the run with state ``failed`` and an event naming it.
 """
@@ -339,14 +339,16 @@ class DNIJob(Actor):
             await asyncio.gather(*trainers, return_exceptions=True)
 
     async def _evaluate(self) -> None:
+        # the forward pass runs here, on a copy of the current weights, so it takes no time from the groups
         if self.d.replicas == 1:
-            accuracy, loss = await self.drivers[0].evaluate(self.x_test, self.y_test)
+            states = await self.drivers[0].states()
+            await self.run_blocking(self._load_states, states)
         else:  # the shared weights: what the PS shards hold now
             replies = await asyncio.gather(*(ps.ask(Pull(), timeout=10.0) for ps in self.ps if ps is not None))
             for reply in replies:
                 assert isinstance(reply, Params)
                 np.copyto(self.eval_buffers[reply.shard], reply.values)
-            accuracy, loss = await self.run_blocking(evaluate, self.eval_model, self.x_test, self.y_test)
+        accuracy, loss = await self.run_blocking(evaluate, self.eval_model, self.x_test, self.y_test)
         wall, samples = self._wall(), self._samples()
         last_wall, last_samples = self._rate
         if wall > last_wall:
@@ -356,6 +358,11 @@ class DNIJob(Actor):
         self.report.record_eval(wall, samples, accuracy, loss)
         await self._note_sg_losses()
         log.info("eval: %.1f s, %d samples, accuracy %.4f, loss %.4f", wall, samples, accuracy, loss)
+
+    def _load_states(self, states: list[dict[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for part, state in zip(self.eval_parts, states):
+                part.load_state_dict(state)
 
     async def _note_sg_losses(self) -> None:
         """Each group's SG loss over the interval since the last evaluation (first and latest kept)."""
