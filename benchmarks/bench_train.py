@@ -157,12 +157,12 @@ def steady_rate(history: list[dict[str, Any]]) -> float | None:
     """Samples trained between the first and last evaluation / the time between them."""
     if len(history) < 2 or history[-1]["wall_s"] <= history[0]["wall_s"]:
         return None
-    return (history[-1]["samples"] - history[0]["samples"]) / (history[-1]["wall_s"] - history[0]["wall_s"])
+    return float((history[-1]["samples"] - history[0]["samples"]) / (history[-1]["wall_s"] - history[0]["wall_s"]))
 
 
 def accuracy_at(history: list[dict[str, Any]], samples: float) -> float | None:
     """Held-out accuracy interpolated linearly in samples."""
-    pts = sorted((p["samples"], p["accuracy"]) for p in history)
+    pts: list[tuple[float, float]] = sorted((float(p["samples"]), float(p["accuracy"])) for p in history)
     if not pts or samples < pts[0][0] or samples > pts[-1][0]:
         return None
     for (s0, a0), (s1, a1) in zip(pts, pts[1:]):
@@ -242,13 +242,13 @@ def _split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return (torch.from_numpy(train.x), torch.from_numpy(train.y), torch.from_numpy(test.x), torch.from_numpy(test.y))
 
 
-def _warm_up(optimizer: type[torch.optim.Optimizer]) -> None:
+def _warm_up(optimizer: Any) -> None:
     """One throwaway step, so torch's lazy imports (about 1 s for the first optimizer) are start-up."""
     import torch.nn.functional as F
 
     model = _build()
     opt = optimizer(model.parameters(), lr=0.01)
-    F.cross_entropy(model(torch.zeros(BATCH, 784)), torch.zeros(BATCH, dtype=torch.long)).backward()
+    F.cross_entropy(model(torch.zeros(BATCH, 784)), torch.zeros(BATCH, dtype=torch.long)).backward()  # type: ignore[no-untyped-call]
     opt.step()
 
 
@@ -292,7 +292,7 @@ def _worker(kind: str, rank: int, world: int, model: torch.nn.Module | None, por
             idx = order[i:i + BATCH]
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(net(x[idx]), y[idx])
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
             counts[rank] += len(idx)
             step += 1
@@ -521,7 +521,8 @@ def main() -> None:
     ratios: dict[str, float] = {}
 
     def get(name: str, key: str) -> float | None:
-        return results.get(name, {}).get(key)
+        value = results.get(name, {}).get(key)
+        return None if value is None else float(value)
 
     # Goal ratios: the median over repetitions of the ratio within each back-to-back pair (less exposed to
     # the drifting load of the shared machine than a ratio of medians, which is kept alongside).
