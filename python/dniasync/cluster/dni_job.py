@@ -286,9 +286,11 @@ class DNIJob(Actor):
             reason = await self._supervise(trainers)
             train_wall = self._wall()
             train_samples = self._samples()
-            if not reason.startswith("failed"):
-                if not self.report.history or self.report.history[-1].samples != train_samples:
-                    await self._evaluate()
+            # the evaluation that met the target is the result; otherwise evaluate what training left
+            if not reason.startswith("reached") and (
+                not self.report.history or self.report.history[-1].samples != train_samples
+            ):
+                await self._evaluate()
             self.report.set_metric("train_samples_per_s", train_samples / train_wall if train_wall > 0 else 0.0)
             await self._record_stats()
             await self._finish(reason)
