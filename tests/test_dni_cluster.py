@@ -77,7 +77,7 @@ def test_two_group_cdni_job_trains_digits_in_separate_processes(tmp_path: Path) 
     assert doc["stop_reason"] == "trained 8 epochs"
     assert doc["samples"] == 8 * 1400
     assert doc["final_accuracy"] >= 0.85, doc["history"]
-    assert len(doc["history"]) >= 2 and doc["history"][0]["accuracy"] < doc["final_accuracy"]
+    assert doc["history"][-1]["samples"] == 8 * 1400  # the last evaluation saw the trained model
     metrics = doc["metrics"]
     # every group trained, the first from synthetic gradients its SG model learned from the second's
     assert metrics["group0_steps"] > 0 and metrics["group1_steps"] > 0
