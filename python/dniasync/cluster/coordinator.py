@@ -22,10 +22,11 @@ import numpy as np
 import torch
 
 from .. import _core, metrics
-from ..actors import Actor, ActorError, ActorRef, handler, message
+from ..actors import Actor, ActorError, ActorNotFound, ActorRef, handler, message
 from ..train.data import DataCursor
 from ..train.flat import FlatModel, evaluate, flatten_parameters, split_ranges
 from ..train.messages import (
+    COORDINATOR_NAME,
     Assignment,
     Fence,
     JobStatus,
@@ -44,7 +45,7 @@ from ..train.messages import (
 )
 from ..train.models import build_model
 from ..train.ps import PSShard, ShardSettings
-from ..train.replica import HOGWILD_SEGMENT, TrainPlan, load_split, no_such_actor
+from ..train.replica import HOGWILD_SEGMENT, TrainPlan, load_split
 from ..train.staleness import StalenessPolicy
 from .config import Config, DownpourConfig
 from .report import EVENT_REPLICA_FAILED, EVENT_REPLICA_JOINED, EVENT_SHARD_REASSIGNED, RunReport
@@ -53,8 +54,6 @@ __all__ = ["COORDINATOR_NAME", "PSHost", "TrainingCoordinator", "shard_settings"
 
 log = logging.getLogger("dniasync.cluster.coordinator")
 
-COORDINATOR_NAME = "trainer"
-"""Name of the training coordinator actor on the coordinator node."""
 
 FIRST_PROGRESS_GRACE_S = 60.0
 """A replica that registered gets this long to load its data and report once."""
@@ -457,7 +456,7 @@ class PSHost(Actor):
         try:
             reply = await coordinator.ask(PSJoin(self.system.node), timeout=10.0)
         except ActorError as exc:
-            if no_such_actor(exc):
+            if isinstance(exc, ActorNotFound):
                 log.info("PS host: the coordinator runs no training job; idle")
                 return
             log.info("PS host: coordinator not reachable yet (%s); retrying", exc)

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .. import metrics
-from ..actors import Actor, ActorError, ActorRef, Directive, handler, message
+from ..actors import Actor, ActorError, ActorNotFound, ActorRef, Directive, handler, message
 from ..train.dni import DNISettings, GroupStats, LayerGroup, build_layer_groups, split_sequential
 from ..train.dni_replica import ReplicatedLayerGroup
 from ..train.flat import FlatModel, evaluate, flatten_parameters
@@ -54,7 +54,7 @@ from ..train.messages import (
 from ..train.models import build_model
 from ..train.pipeline import PipelineBroken, PipelineDriver
 from ..train.ps import ShardSettings
-from ..train.replica import load_split, no_such_actor
+from ..train.replica import load_split
 from ..train.staleness import StalenessPolicy
 from .config import Config, parse_config
 from .coordinator import train_plan
@@ -305,8 +305,9 @@ class DNIJob(Actor):
 
     async def _train(self, r: int, driver: PipelineDriver) -> None:
         x, y = self._shard(r)
-        await driver.train(x, y, epochs=self.config.stop.max_epochs, batch_size=self.config.data.batch_size,
-                           seed=self.config.job.seed + r)
+        result = await driver.train(x, y, epochs=self.config.stop.max_epochs,
+                                    batch_size=self.config.data.batch_size, seed=self.config.job.seed + r)
+        self._note_sg_losses(r, result.stats)  # they asked the groups last: their SG losses are the latest
 
     async def _supervise(self, trainers: list[asyncio.Task[None]]) -> str:
         """Evaluate at the configured cadence until the pipelines finish or a stop condition holds."""
@@ -358,7 +359,8 @@ class DNIJob(Actor):
         self._rate = (wall, samples)
         self.accuracy, self.loss = accuracy, loss
         self.report.record_eval(wall, samples, accuracy, loss)
-        await self._note_sg_losses()
+        for r, driver in enumerate(self.drivers):
+            self._note_sg_losses(r, await driver.stats())
         log.info("eval: %.1f s, %d samples, accuracy %.4f, loss %.4f", wall, samples, accuracy, loss)
 
     def _load_states(self, states: list[dict[str, torch.Tensor]]) -> None:
@@ -366,14 +368,13 @@ class DNIJob(Actor):
             for part, state in zip(self.eval_parts, states):
                 part.load_state_dict(state)
 
-    async def _note_sg_losses(self) -> None:
-        """Each group's SG loss over the interval since the last evaluation (first and latest kept)."""
-        for r, driver in enumerate(self.drivers):
-            for k, s in enumerate(await driver.stats()):
-                key = f"group{k}" if self.d.replicas == 1 else f"pipeline{r}_group{k}"
-                if math.isfinite(s.sg_loss):
-                    self._sg_first.setdefault(key, s.sg_loss)
-                    self._sg_last[key] = s.sg_loss
+    def _note_sg_losses(self, r: int, stats: list[GroupStats]) -> None:
+        """Each group's mean SG loss since the previous stats request (first and latest kept)."""
+        for k, s in enumerate(stats):
+            key = f"group{k}" if self.d.replicas == 1 else f"pipeline{r}_group{k}"
+            if math.isfinite(s.sg_loss):
+                self._sg_first.setdefault(key, s.sg_loss)
+                self._sg_last[key] = s.sg_loss
 
     async def _record_stats(self) -> None:
         for r, driver in enumerate(self.drivers):
@@ -472,7 +473,7 @@ class GroupHost(Actor):
         try:
             reply = await coordinator.ask(HostRequest(self.system.node), timeout=10.0)
         except ActorError as exc:
-            if no_such_actor(exc):
+            if isinstance(exc, ActorNotFound):
                 log.info("group host: the coordinator runs no training job; idle")
                 return
             log.info("group host: coordinator not reachable yet (%s); retrying", exc)

@@ -15,18 +15,20 @@ import math
 import time
 from collections import deque
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from ..actors import ActorError
-from ..cluster.coordinator import TrainingCoordinator
 from ..metrics import NodeMetrics
 from ..remote import WebSocketTransport, is_loopback, parse_hostport
 from ..train.messages import ShardStats
 from ..train.ps import STALENESS_BUCKETS
 from ._membership import GetMembers, Members
 from ._roles import NodeContext
+
+if TYPE_CHECKING:
+    from ..cluster.coordinator import TrainingCoordinator
 
 __all__ = ["LivePage"]
 
@@ -64,6 +66,8 @@ class LivePage:
 
     # -- sampling -----------------------------------------------------------------------
     def _trainer(self) -> TrainingCoordinator | None:
+        from ..cluster.coordinator import TrainingCoordinator  # only the coordinator node needs torch
+
         for trainer in self.metrics.trainers():
             if isinstance(trainer, TrainingCoordinator):
                 return trainer

@@ -22,9 +22,8 @@ from typing import IO, Any
 
 from ..actors import ActorError, ActorSystem
 from ..cluster.config import Config, ConfigError, load_config
-from ..cluster.coordinator import COORDINATOR_NAME
 from ..remote import WebSocketTransport
-from ..train.messages import JobStatus, JobStatusReply
+from ..train.messages import COORDINATOR_NAME, JobStatus, JobStatusReply
 
 __all__ = ["run_local"]
 
@@ -56,11 +55,9 @@ class _Cluster:
 
     def write_files(self, job: str) -> None:
         """``cluster.json``, and the Prometheus file-SD targets of every child listening so far."""
-        (self.out / "cluster.json").write_text(json.dumps(self.describe(), indent=2) + "\n")
+        _write_json(self.out / "cluster.json", self.describe())
         targets = [{"targets": [c.address for c in self.children if c.address], "labels": {"cluster": job}}]
-        tmp = self.out / ".prometheus_targets.json.tmp"
-        tmp.write_text(json.dumps(targets, indent=2) + "\n")
-        tmp.replace(self.out / PROMETHEUS_TARGETS)  # Prometheus may read it at any moment: never half-written
+        _write_json(self.out / PROMETHEUS_TARGETS, targets)
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every child still running, SIGKILL what outlives ``grace_s``."""
@@ -76,6 +73,13 @@ class _Cluster:
                 if child.proc.returncode is None:
                     child.proc.kill()
                     await child.proc.wait()
+
+
+def _write_json(path: Path, doc: Any) -> None:
+    """Write by rename: tests and Prometheus read these files at any moment, never half-written."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def _child_env() -> dict[str, str]:

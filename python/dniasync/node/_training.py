@@ -16,15 +16,13 @@ import logging
 import tomllib
 from dataclasses import dataclass
 
-import torch
-
-from ..actors import Actor, ActorError, handler, message
+from ..actors import Actor, ActorError, ActorNotFound, handler, message
 from ..cluster.config import load_config
-from ..cluster.coordinator import COORDINATOR_NAME, PSHost, TrainingCoordinator
-from ..cluster.dni_job import DNIJob, GroupHost
-from ..train.messages import JobStatus, JobStatusReply
-from ..train.replica import Replica, no_such_actor
+from ..train.messages import COORDINATOR_NAME, JobStatus, JobStatusReply
 from ._roles import NodeContext, register_role, start_coordinator, start_member
+
+# torch and the training actors are imported only by nodes that train: a plain
+# cluster member starts in a fraction of a second without them.
 
 __all__ = ["job_config_path", "start_training_coordinator", "start_training_ps", "start_training_worker"]
 
@@ -53,6 +51,11 @@ async def start_training_coordinator(context: NodeContext) -> None:
     path = job_config_path(context.options.get("config"))
     if path is None:
         return
+    import torch
+
+    from ..cluster.coordinator import TrainingCoordinator
+    from ..cluster.dni_job import DNIJob
+
     torch.set_num_threads(1)
     config = load_config(path)
     job = DNIJob if config.mode == "dni" else TrainingCoordinator
@@ -61,6 +64,8 @@ async def start_training_coordinator(context: NodeContext) -> None:
 
 
 async def start_training_ps(context: NodeContext) -> None:
+    from ..cluster.coordinator import PSHost
+
     await start_member(context)
     await context.system.spawn(PSHost, _trainer(context), name="ps-host")
 
@@ -99,7 +104,7 @@ class WorkerHost(Actor):
         try:
             status = await self.system.ref(self.trainer).ask(JobStatus(), timeout=10.0)
         except ActorError as exc:
-            if no_such_actor(exc):
+            if isinstance(exc, ActorNotFound):
                 log.info("worker: the coordinator runs no training job; idle")
                 return
             log.info("worker: coordinator not reachable yet (%s); retrying", exc)
@@ -107,6 +112,12 @@ class WorkerHost(Actor):
             return
         assert isinstance(status, JobStatusReply)
         self.started = True
+        import torch
+
+        from ..cluster.dni_job import GroupHost
+        from ..train.replica import Replica
+
+        torch.set_num_threads(1)
         if status.mode == "dni":
             await self.system.spawn(GroupHost, self.trainer, name="group-host")
         else:
@@ -115,7 +126,6 @@ class WorkerHost(Actor):
 
 async def start_training_worker(context: NodeContext) -> None:
     await start_member(context)
-    torch.set_num_threads(1)
     await context.system.spawn(WorkerHost, _trainer(context), name="worker-host")
 
 

@@ -14,7 +14,11 @@ import numpy as np
 
 from ..actors import ActorRef, message
 
+COORDINATOR_NAME = "trainer"
+"""Name of the training coordinator actor (Downpour, Hogwild or DNI job) on the coordinator node."""
+
 __all__ = [
+    "COORDINATOR_NAME",
     "Assignment",
     "Fence",
     "JobStatus",

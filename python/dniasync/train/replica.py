@@ -33,7 +33,7 @@ from .flat import FlatModel
 from .messages import Assignment, NoJob, Params, Progress, Pull, Push, RegisterReplica, Shards, StopTraining
 from .models import build_model
 
-__all__ = ["HOGWILD_SEGMENT", "Replica", "TrainPlan", "load_split", "no_such_actor"]
+__all__ = ["HOGWILD_SEGMENT", "Replica", "TrainPlan", "load_split"]
 
 log = logging.getLogger("dniasync.train.replica")
 
@@ -78,11 +78,6 @@ def load_split(plan: TrainPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     ds = load_dataset(plan.dataset, **plan.data_kwargs)
     train, test = split(ds, plan.n_train, plan.n_test, plan.seed)
     return (torch.from_numpy(train.x), torch.from_numpy(train.y), torch.from_numpy(test.x), torch.from_numpy(test.y))
-
-
-def no_such_actor(exc: BaseException) -> bool:
-    """The ask reached the node, but no actor there has that name (local or remote)."""
-    return isinstance(exc, ActorNotFound) or getattr(exc, "remote_type", None) == "ActorNotFound"
 
 
 def cursor_triples(cursors: dict[int, DataCursor]) -> list[list[int]]:
@@ -167,7 +162,7 @@ class Replica(Actor):
         try:
             reply = await self.coordinator.ask(RegisterReplica(self.name, self.incarnation, self.ref), timeout=10.0)
         except ActorError as exc:
-            if no_such_actor(exc):
+            if isinstance(exc, ActorNotFound):  # the node is up but runs no trainer
                 log.info("replica %s: the coordinator runs no training job; idle", self.name)
                 return
             log.info("replica %s: coordinator not reachable yet (%s); retrying", self.name, exc)
