@@ -50,10 +50,11 @@ every_seconds = 0.5
 """
 
 
-def write_job(tmp_path: Path, name: str, *, epochs: int = 8, seconds: float = 120) -> tuple[Path, Path]:
+def write_job(tmp_path: Path, name: str, *, epochs: int = 8, seconds: float = 120, extra: str = "") -> tuple[Path, Path]:
     out = tmp_path / name
     path = tmp_path / f"{name}.toml"
-    path.write_text(DIGITS.format(name=name, out=out, epochs=epochs, seconds=seconds))
+    path.write_text(DIGITS.format(name=name, out=out, epochs=epochs, seconds=seconds).replace(
+        "max_in_flight = 4\n", f"max_in_flight = 4\n{extra}"))
     return path, out
 
 
@@ -91,6 +92,31 @@ def test_two_group_cdni_job_trains_digits_in_separate_processes(tmp_path: Path) 
     assert hosts == workers and coordinator not in hosts
     assert (out / "accuracy.png").stat().st_size > 1000
     assert "layer groups       2 x 1 pipeline(s), variant cdni" in proc.stdout
+
+
+def test_placement_puts_both_groups_in_one_worker_process(tmp_path: Path) -> None:
+    config, out = write_job(tmp_path, "placed", epochs=3, extra="placement = [0, 0]\n")
+    proc = launch(config)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    metrics = summary(out)["metrics"]
+    workers = [c["address"] for c in json.loads((out / "cluster.json").read_text())["children"] if c["role"] == "worker"]
+    assert workers == [metrics["group0_address"].split("@")[1]] == [metrics["group1_address"].split("@")[1]]
+
+
+def test_dni_times_downpour_replicas_share_each_group_through_its_ps_shard(tmp_path: Path) -> None:
+    config, out = write_job(tmp_path, "dnidp", epochs=6, extra="replicas = 2\n")
+    proc = launch(config)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = summary(out)
+    assert doc["final_accuracy"] >= 0.8, doc["history"]
+    metrics = doc["metrics"]
+    children = json.loads((out / "cluster.json").read_text())["children"]
+    assert sum(c["role"] == "ps" for c in children) == 2 and sum(c["role"] == "worker" for c in children) == 4
+    # both pipelines trained on their half of the data and pushed to each group's shard
+    for r in (0, 1):
+        assert metrics[f"pipeline{r}_group0_steps"] > 0 and metrics[f"pipeline{r}_group1_steps"] > 0
+    steps = sum(metrics[f"pipeline{r}_group0_steps"] for r in (0, 1))
+    assert metrics["ps0_applied"] == steps and metrics["ps1_applied"] > 0
 
 
 def _worker_hosting(out: Path, group: int) -> dict[str, Any] | None:
@@ -135,17 +161,20 @@ def test_killed_group_process_fails_the_run_naming_the_group(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize(
-    ("edit", "message"),
+    ("edit", "message", "role"),
     [
-        (("groups = [[0, 1], [2]]", "groups = [[0, 1], [1, 2]]"), "'dni.groups': layer 1 is in group 0 and in group 1"),
-        (("groups = [[0, 1], [2]]", "groups = [[0, 1]]"), r"'dni.groups': layers [2] are in no group"),
-        (("groups = [[0, 1], [2]]", "groups = [[0, 1], []]"), "'dni.groups' group 1 is empty"),
-        (('variant = "cdni"', 'variant = "cdnii"'), "'dni.variant' is 'cdnii'"),
-        (("max_in_flight = 4", "max_inflight = 4"), "unknown key 'dni.max_inflight' (did you mean 'max_in_flight'?)"),
-        (('name = "adam"', 'name = "adagrad"'), "'optimizer.name' is 'adagrad'"),
+        (("groups = [[0, 1], [2]]", "groups = [[0, 1], [1, 2]]"), "'dni.groups': layer 1 is in group 0 and in group 1",
+         "local"),
+        (("groups = [[0, 1], [2]]", "groups = [[0, 1], [1, 2]]"), "'dni.groups': layer 1 is in group 0 and in group 1",
+         "coordinator"),
+        (("groups = [[0, 1], [2]]", "groups = [[0, 1]]"), r"'dni.groups': layers [2] are in no group", "local"),
+        (("groups = [[0, 1], [2]]", "groups = [[0, 1], []]"), "'dni.groups' group 1 is empty", "coordinator"),
+        (('variant = "cdni"', 'variant = "cdnii"'), "'dni.variant' is 'cdnii'", "local"),
+        (("max_in_flight = 4", "max_inflight = 4"), "unknown key 'dni.max_inflight' (did you mean 'max_in_flight'?)",
+         "local"),
+        (('name = "adam"', 'name = "adagrad"'), "'optimizer.name' is 'adagrad'", "local"),
     ],
 )
-@pytest.mark.parametrize("role", ["local", "coordinator"])
 def test_bad_dni_configs_fail_at_start_naming_the_problem(
     tmp_path: Path, edit: tuple[str, str], message: str, role: str
 ) -> None:
