@@ -296,6 +296,8 @@ class DNIJob(Actor):
             await self._finish(reason)
         except PipelineBroken as exc:
             await self._fail(exc)
+        except (ActorError, TimeoutError) as exc:  # e.g. a PS shard gone while evaluating: fail, never hang
+            await self._fail(PipelineBroken(getattr(exc, "address", "") or "the job", repr(exc)))
         finally:
             for driver in self.drivers:
                 try:
