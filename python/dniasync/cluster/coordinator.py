@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -50,7 +50,7 @@ from ..train.staleness import StalenessPolicy
 from .config import Config, DownpourConfig
 from .report import EVENT_REPLICA_FAILED, EVENT_REPLICA_JOINED, EVENT_SHARD_REASSIGNED, RunReport
 
-__all__ = ["COORDINATOR_NAME", "PSHost", "TrainingCoordinator", "shard_settings", "train_plan"]
+__all__ = ["COORDINATOR_NAME", "PSHost", "TrainingCoordinator", "record_ps_stats", "shard_settings", "train_plan"]
 
 log = logging.getLogger("dniasync.cluster.coordinator")
 
@@ -92,6 +92,24 @@ def shard_settings(config: Config) -> ShardSettings:
         weight_decay=opt.weight_decay, staleness=StalenessPolicy(d.staleness, d.max_staleness or 0),
         codec=d.codec, tau=d.tau or 1e-3, block=d.block,
     )
+
+
+async def record_ps_stats(report: RunReport, shards: Iterable[tuple[int, ActorRef | None]]) -> None:
+    """Put each PS shard's counters (applied, rejections, staleness histogram) into the run summary."""
+    for index, ps in shards:
+        if ps is None:
+            continue
+        try:
+            stats = await ps.ask(ShardStats(), timeout=5.0)
+        except ActorError as exc:
+            log.warning("no stats from PS shard %d (%s): %s", index, ps, exc)
+            continue
+        for key in ("applied", "version", "staleness_sum"):
+            report.set_metric(f"ps{index}_{key}", int(stats[key]))
+        for key, count in stats["rejected"].items():
+            report.set_metric(f"ps{index}_rejected_{key}", int(count))
+        for bound, count in zip([*map(str, stats["staleness_buckets"]), "inf"], stats["staleness_counts"]):
+            report.set_metric(f"ps{index}_staleness_le_{bound}", int(count))
 
 
 @message("dniasync.cluster.Tick")
@@ -388,32 +406,11 @@ class TrainingCoordinator(Actor):
                     await state.ref.tell(StopTraining(reason))
                 except ActorError:
                     pass
-        for ps in self.ps:
-            if ps is None:
-                continue
-            try:
-                stats = await ps.ask(ShardStats(), timeout=5.0)
-            except ActorError as exc:
-                log.warning("no stats from %s: %s", ps, exc)
-                continue
-            shard = stats["shard"]
-            for key in ("applied", "version", "staleness_sum"):
-                self.report.set_metric(f"ps{shard}_{key}", int(stats[key]))
-            for key, count in stats["rejected"].items():
-                self.report.set_metric(f"ps{shard}_rejected_{key}", int(count))
-            for bound, count in zip([*map(str, stats["staleness_buckets"]), "inf"], stats["staleness_counts"]):
-                self.report.set_metric(f"ps{shard}_staleness_le_{bound}", int(count))
+        await record_ps_stats(self.report, enumerate(self.ps))
         self.report.finish(self._wall(), self._samples(), reason)
-        out = Path(self.config.job.output_dir)
-        self.summary_path = str(out / "summary.json")
-        await self.run_blocking(self._write, out)
+        self.summary_path = str(await self.run_blocking(self.report.write_outputs, self.config.job.output_dir))
         log.info("job finished: %s; summary in %s", reason, self.summary_path)
         self.finished.set()
-
-    def _write(self, out: Path) -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        self.report.write_summary(out / "summary.json")
-        self.report.plot(out / "accuracy.png")
 
     @handler
     def status(self, msg: JobStatus) -> JobStatusReply:

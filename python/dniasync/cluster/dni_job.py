@@ -28,7 +28,6 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,7 +48,6 @@ from ..train.messages import (
     PSJoin,
     PSReady,
     Pull,
-    ShardStats,
 )
 from ..train.models import build_model
 from ..train.pipeline import PipelineBroken, PipelineDriver
@@ -57,7 +55,7 @@ from ..train.ps import ShardSettings
 from ..train.replica import load_split
 from ..train.staleness import StalenessPolicy
 from .config import Config, parse_config
-from .coordinator import train_plan
+from .coordinator import record_ps_stats, train_plan
 from .report import RunReport
 
 __all__ = [
@@ -388,16 +386,7 @@ class DNIJob(Actor):
                     self.report.set_metric(f"{key}_{name}", int(getattr(s, name)))
                 if math.isfinite(s.input_loss):
                     self.report.set_metric(f"{key}_input_loss_last", s.input_loss)
-        for group, ps in enumerate(self.ps):
-            if ps is None:
-                continue
-            try:
-                shard = await ps.ask(ShardStats(), timeout=5.0)
-            except ActorError as exc:
-                log.warning("no stats from the PS shard of group %d: %s", group, exc)
-                continue
-            for name in ("applied", "version", "staleness_sum"):
-                self.report.set_metric(f"ps{group}_{name}", int(shard[name]))
+        await record_ps_stats(self.report, enumerate(self.ps))  # one shard per group
         for key, value in self._sg_first.items():
             self.report.set_metric(f"{key}_sg_loss_first", value)
             self.report.set_metric(f"{key}_sg_loss_last", self._sg_last[key])
@@ -413,17 +402,10 @@ class DNIJob(Actor):
         self.report.set_metric("variant", self.d.variant)
         self.report.set_metric("synthetic_inputs", self.d.synthetic_inputs)
         self.report.finish(max(self._wall(), self.report.wall_s), max(self._samples(), self.report.samples), reason)
-        out = Path(self.config.job.output_dir)
-        self.summary_path = str(out / "summary.json")
-        await self.run_blocking(self._write, out)
+        self.summary_path = str(await self.run_blocking(self.report.write_outputs, self.config.job.output_dir))
         self.state = state
         log.info("job %s: %s; summary in %s", state, reason, self.summary_path)
         self.finished.set()
-
-    def _write(self, out: Path) -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        self.report.write_summary(out / "summary.json")
-        self.report.plot(out / "accuracy.png")
 
     # -- status ---------------------------------------------------------------
     @handler

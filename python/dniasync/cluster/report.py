@@ -251,6 +251,13 @@ class RunReport:
         """PNG of held-out accuracy and loss against wall time (see :func:`plot_reports`)."""
         return plot_reports([self], path)
 
+    def write_outputs(self, out_dir: str | Path) -> Path:
+        """A job's outputs: ``summary.json`` and ``accuracy.png`` in ``out_dir``; the summary's path."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.plot(out / "accuracy.png")
+        return self.write_summary(out / "summary.json")
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RunReport:
         """Rebuild a report from :meth:`to_dict` output."""
