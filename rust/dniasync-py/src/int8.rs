@@ -1,7 +1,7 @@
 //! `dniasync._core.Int8Codec`.
 use crate::arrays::{readonly, slice};
 use crate::errors::{run, to_py};
-use crate::store::ParamStore;
+use crate::store::{ParamStore, Update};
 use dniasync_core::quant::int8::{self, Int8Grad};
 use numpy::PyArray1;
 use pyo3::prelude::*;
@@ -78,13 +78,11 @@ impl Int8Codec {
         payload: &Bound<'_, PyAny>,
         lr: f32,
     ) -> PyResult<u64> {
-        let store = store.get();
-        let seg = store.seg(segment)?;
         let payload = readonly::<u8>(payload, "payload")?;
         let payload = slice(&payload);
-        run(py, self.n, || {
-            let mut grad = Int8Grad::new(payload, self.n, self.block)?;
-            store.inner.step(seg, &mut grad, lr)
+        let update = Update::Step(lr);
+        store.get().update(py, segment, self.n, update, || {
+            Int8Grad::new(payload, self.n, self.block)
         })
     }
 
@@ -98,13 +96,11 @@ impl Int8Codec {
         payload: &Bound<'_, PyAny>,
         alpha: f32,
     ) -> PyResult<u64> {
-        let store = store.get();
-        let seg = store.seg(segment)?;
         let payload = readonly::<u8>(payload, "payload")?;
         let payload = slice(&payload);
-        run(py, self.n, || {
-            let mut grad = Int8Grad::new(payload, self.n, self.block)?;
-            store.inner.add(seg, &mut grad, alpha)
+        let update = Update::Add(alpha);
+        store.get().update(py, segment, self.n, update, || {
+            Int8Grad::new(payload, self.n, self.block)
         })
     }
 

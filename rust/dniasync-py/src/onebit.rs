@@ -1,7 +1,7 @@
 //! `dniasync._core.OneBitCodec`.
 use crate::arrays::{readonly, slice};
 use crate::errors::{run, to_py};
-use crate::store::ParamStore;
+use crate::store::{ParamStore, Update};
 use dniasync_core::quant::onebit::OneBitEncoder;
 use dniasync_core::quant::onebit::{self, OneBitGrad};
 use numpy::PyArray1;
@@ -98,13 +98,11 @@ impl OneBitCodec {
         payload: &Bound<'_, PyAny>,
         lr: f32,
     ) -> PyResult<u64> {
-        let store = store.get();
-        let seg = store.seg(segment)?;
         let payload = readonly::<u8>(payload, "payload")?;
         let payload = slice(&payload);
-        run(py, self.n, || {
-            let mut grad = OneBitGrad::new(payload, self.n, self.block)?;
-            store.inner.step(seg, &mut grad, lr)
+        let update = Update::Step(lr);
+        store.get().update(py, segment, self.n, update, || {
+            OneBitGrad::new(payload, self.n, self.block)
         })
     }
 
@@ -118,13 +116,11 @@ impl OneBitCodec {
         payload: &Bound<'_, PyAny>,
         alpha: f32,
     ) -> PyResult<u64> {
-        let store = store.get();
-        let seg = store.seg(segment)?;
         let payload = readonly::<u8>(payload, "payload")?;
         let payload = slice(&payload);
-        run(py, self.n, || {
-            let mut grad = OneBitGrad::new(payload, self.n, self.block)?;
-            store.inner.add(seg, &mut grad, alpha)
+        let update = Update::Add(alpha);
+        store.get().update(py, segment, self.n, update, || {
+            OneBitGrad::new(payload, self.n, self.block)
         })
     }
 

@@ -2,8 +2,8 @@
 use crate::arrays::{readonly, readwrite, slice};
 use crate::errors::{run, to_py, BLOCKING};
 use dniasync_core::{
-    Dense, Layout, NonFinitePolicy, Optimizer, OptimizerConfig, ParamStore as CoreStore,
-    SegmentSpec,
+    Dense, GradSource, Layout, NonFinitePolicy, Optimizer, OptimizerConfig,
+    ParamStore as CoreStore, SegmentSpec,
 };
 use numpy::ndarray::ArrayView1;
 use numpy::PyArray1;
@@ -66,9 +66,41 @@ fn policy(name: &str) -> PyResult<NonFinitePolicy> {
     }
 }
 
+/// What a gradient source does to a segment.
+#[derive(Clone, Copy)]
+pub(crate) enum Update {
+    /// One optimizer step with this learning rate.
+    Step(f32),
+    /// Hogwild `w += alpha * g`.
+    Add(f32),
+    /// `w += alpha * g` by compare-and-swap.
+    AddExact(f32),
+}
+
 impl ParamStore {
     pub(crate) fn seg(&self, name: &str) -> PyResult<usize> {
         self.inner.segment_index(name).map_err(to_py)
+    }
+
+    /// Apply `update` to `segment` with the gradient `source` builds, detached from the
+    /// interpreter when `work` elements make that worth it; returns the new version.
+    pub(crate) fn update<G: GradSource>(
+        &self,
+        py: Python<'_>,
+        segment: &str,
+        work: usize,
+        update: Update,
+        source: impl FnOnce() -> dniasync_core::Result<G> + Send,
+    ) -> PyResult<u64> {
+        let seg = self.seg(segment)?;
+        run(py, work, || {
+            let mut grad = source()?;
+            match update {
+                Update::Step(lr) => self.inner.step(seg, &mut grad, lr),
+                Update::Add(alpha) => self.inner.add(seg, &mut grad, alpha),
+                Update::AddExact(alpha) => self.inner.add_exact(seg, &mut grad, alpha),
+            }
+        })
     }
 }
 
@@ -281,11 +313,10 @@ impl ParamStore {
         grad: &Bound<'_, PyAny>,
         lr: f32,
     ) -> PyResult<u64> {
-        let seg = self.seg(segment)?;
         let grad = readonly::<f32>(grad, "grad")?;
         let grad = slice(&grad);
-        run(py, grad.len(), || {
-            self.inner.step(seg, &mut Dense(grad), lr)
+        self.update(py, segment, grad.len(), Update::Step(lr), || {
+            Ok(Dense(grad))
         })
     }
 
@@ -298,11 +329,10 @@ impl ParamStore {
         delta: &Bound<'_, PyAny>,
         alpha: f32,
     ) -> PyResult<u64> {
-        let seg = self.seg(segment)?;
         let delta = readonly::<f32>(delta, "delta")?;
         let delta = slice(&delta);
-        run(py, delta.len(), || {
-            self.inner.add(seg, &mut Dense(delta), alpha)
+        self.update(py, segment, delta.len(), Update::Add(alpha), || {
+            Ok(Dense(delta))
         })
     }
 
@@ -315,11 +345,10 @@ impl ParamStore {
         delta: &Bound<'_, PyAny>,
         alpha: f32,
     ) -> PyResult<u64> {
-        let seg = self.seg(segment)?;
         let delta = readonly::<f32>(delta, "delta")?;
         let delta = slice(&delta);
-        run(py, delta.len(), || {
-            self.inner.add_exact(seg, &mut Dense(delta), alpha)
+        self.update(py, segment, delta.len(), Update::AddExact(alpha), || {
+            Ok(Dense(delta))
         })
     }
 

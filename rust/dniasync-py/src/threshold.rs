@@ -1,7 +1,7 @@
 //! `dniasync._core.ThresholdCodec`.
 use crate::arrays::{readonly, slice};
 use crate::errors::run;
-use crate::store::ParamStore;
+use crate::store::{ParamStore, Update};
 use dniasync_core::quant::threshold::{self, ThresholdEncoder, ThresholdGrad};
 use numpy::PyArray1;
 use pyo3::prelude::*;
@@ -86,13 +86,11 @@ impl ThresholdCodec {
         codes: &Bound<'_, PyAny>,
         lr: f32,
     ) -> PyResult<u64> {
-        let store = store.get();
-        let seg = store.seg(segment)?;
         let codes = readonly::<u32>(codes, "codes")?;
         let codes = slice(&codes);
-        run(py, self.n, || {
-            let mut grad = ThresholdGrad::new(codes, self.tau, self.n)?;
-            store.inner.step(seg, &mut grad, lr)
+        let update = Update::Step(lr);
+        store.get().update(py, segment, self.n, update, || {
+            ThresholdGrad::new(codes, self.tau, self.n)
         })
     }
 
@@ -106,13 +104,11 @@ impl ThresholdCodec {
         codes: &Bound<'_, PyAny>,
         alpha: f32,
     ) -> PyResult<u64> {
-        let store = store.get();
-        let seg = store.seg(segment)?;
         let codes = readonly::<u32>(codes, "codes")?;
         let codes = slice(&codes);
-        run(py, codes.len(), || {
-            let mut grad = ThresholdGrad::new(codes, self.tau, self.n)?;
-            store.inner.add(seg, &mut grad, alpha)
+        let update = Update::Add(alpha);
+        store.get().update(py, segment, codes.len(), update, || {
+            ThresholdGrad::new(codes, self.tau, self.n)
         })
     }
 
