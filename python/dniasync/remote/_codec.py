@@ -1,4 +1,4 @@
-"""The wire codec: messages <-> websocket binary frames. No pickle, no eval.
+"""The wire codec: messages <-> websocket binary frames. No object serialization, no eval.
 
 A frame is one websocket binary message::
 

@@ -30,7 +30,7 @@ class AuthError(ActorError, PermissionError):
 class RemoteError(ActorError):
     """A handler on another node raised; carries the remote type name and message.
 
-    Exceptions never travel as objects (no pickle): only their type name and text.
+    Exceptions never travel as serialized objects: only their type name and text.
     """
 
     def __init__(self, remote_type: str, detail: str, address: str = "") -> None:

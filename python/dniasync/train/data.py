@@ -245,7 +245,7 @@ def load_npz(
                 raise DatasetError(f"{path}: no array {key!r} (has {sorted(archive.files)})")
         try:
             x, y = archive[x_key], archive[y_key]
-        except ValueError as e:  # object arrays would need pickle
+        except ValueError as e:  # object arrays: refused, since allow_pickle=False
             raise DatasetError(f"{path}: {e}") from None
     if x.ndim < 2 or x.shape[0] != (y.shape[0] if y.ndim else -1):
         raise DatasetError(
