@@ -258,6 +258,78 @@ async def test_full_mailbox_makes_tell_wait_and_keeps_order() -> None:
         assert await ref.ask(Get()) == [0, 1, 2, 3]
 
 
+@message("test.UrgentAppend")
+class UrgentAppend:
+    value: int
+
+
+class Triage(Recorder):
+    """A Recorder whose UrgentAppend messages overtake the queued Appends."""
+
+    urgent_messages = (UrgentAppend,)
+
+    @handler
+    def urgent_append(self, msg: UrgentAppend) -> int:
+        self.values.append(msg.value)
+        return len(self.values)
+
+
+async def test_urgent_messages_overtake_queued_ones_and_keep_their_own_order() -> None:
+    async with ActorSystem() as system:
+        ref = await system.spawn(Triage, name="triage")
+        event = asyncio.Event()
+        blocked = asyncio.create_task(ref.ask(Wait(event)))
+        await asyncio.sleep(0.01)  # Wait is being handled; the rest queues up
+        await ref.tell(Append(1))
+        await ref.tell(Append(2))
+        await ref.tell(UrgentAppend(10))
+        ref.tell_nowait(UrgentAppend(11))
+        await ref.tell(Append(3))
+        late = asyncio.create_task(ref.ask(UrgentAppend(12)))
+        await asyncio.sleep(0.01)
+        event.set()
+        await blocked
+        assert await late == 3  # handled third, before any Append
+        assert await ref.ask(Get()) == [10, 11, 12, 1, 2, 3]
+
+
+async def test_urgent_messages_respect_the_mailbox_bound() -> None:
+    async with ActorSystem() as system:
+        ref = await system.spawn(Triage, name="triage", mailbox_size=2)
+        event = asyncio.Event()
+        blocked = asyncio.create_task(ref.ask(Wait(event)))
+        await asyncio.sleep(0.01)
+        await ref.tell(Append(1))
+        await ref.tell(Append(2))
+        with pytest.raises(MailboxFull):
+            ref.tell_nowait(UrgentAppend(10))
+        waiting = asyncio.create_task(ref.tell(UrgentAppend(11)))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()  # backpressure applies to urgent messages too
+        assert system.mailbox_depth(ref) == 3  # two queued, one waiting for room
+        event.set()
+        await asyncio.wait_for(waiting, 1)
+        await blocked
+        # it entered when Append(1) left, and then went before Append(2)
+        assert await ref.ask(Get()) == [1, 11, 2]
+
+
+async def test_ordinary_actors_ignore_urgency_of_the_same_message() -> None:
+    class Plain(Triage):
+        urgent_messages = ()
+
+    async with ActorSystem() as system:
+        ref = await system.spawn(Plain, name="plain")
+        event = asyncio.Event()
+        blocked = asyncio.create_task(ref.ask(Wait(event)))
+        await asyncio.sleep(0.01)
+        await ref.tell(Append(1))
+        await ref.tell(UrgentAppend(10))
+        event.set()
+        await blocked
+        assert await ref.ask(Get()) == [1, 10]
+
+
 async def test_names_are_unique_and_lookup_works() -> None:
     async with ActorSystem() as system:
         ref = await system.spawn(Recorder, name="rec")

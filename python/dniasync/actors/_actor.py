@@ -79,10 +79,17 @@ class Actor:
     An exception raised while handling an ``ask`` goes back to the caller and
     does not fail the actor. ``supervisor_strategy`` governs this actor's
     children; ``mailbox_size`` bounds its mailbox (0 = unbounded).
+
+    ``urgent_messages``: messages of these classes (or subclasses) overtake
+    the ordinary messages already queued; among themselves they keep their
+    order of arrival, and the mailbox bound covers them too. An instance may
+    set its own in ``__init__`` (messages that arrive before it exists use
+    the class's).
     """
 
     supervisor_strategy: ClassVar[SupervisorStrategy] = one_for_one()
     mailbox_size: ClassVar[int] = 1024
+    urgent_messages: tuple[type, ...] = ()
 
     _cell: ActorCell
     _table: ClassVar[dict[type, tuple[str, bool]] | None] = None

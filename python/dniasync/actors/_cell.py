@@ -92,6 +92,16 @@ class ActorCell(Supervisor):
         self.dropped = 0
         self._dispatch: dict[type, tuple[Callable[[Any], Any], bool]] = {}
         self._killed = False
+        self.urgent: tuple[type, ...] = tuple(cls.urgent_messages)
+
+    def is_urgent(self, msg: Any) -> bool:
+        """Whether ``msg`` overtakes ordinary messages in this actor's mailbox."""
+        return bool(self.urgent) and isinstance(msg, self.urgent)
+
+    def _try_put(self, item: tuple[Any, Any]) -> bool:
+        if self.urgent and isinstance(item[0], self.urgent):
+            return self.mailbox.try_put_urgent(item)
+        return self.mailbox.try_put(item)
 
     # -- Destination --------------------------------------------------------
     @property
@@ -101,14 +111,20 @@ class ActorCell(Supervisor):
     def tell_nowait(self, msg: Any) -> None:
         if self.state is STOPPING or self.state is STOPPED:
             raise ActorStopped(self.address)
-        if not self.mailbox.try_put((msg, None)):
+        urgent = self.urgent
+        put = self.mailbox.try_put_urgent if urgent and isinstance(msg, urgent) else self.mailbox.try_put
+        if not put((msg, None)):
             raise MailboxFull(f"{self.address}: mailbox full ({self.mailbox.capacity} messages)")
 
     async def tell(self, msg: Any) -> None:
         if self.state is STOPPING or self.state is STOPPED:
             raise ActorStopped(self.address)
         item = (msg, None)
-        if not self.mailbox.try_put(item):
+        urgent = self.urgent
+        if urgent and isinstance(msg, urgent):
+            if not self.mailbox.try_put_urgent(item):
+                await self.mailbox.put(item, True)
+        elif not self.mailbox.try_put(item):
             await self.mailbox.put(item)
 
     async def ask(self, msg: Any, timeout: float | None) -> Any:
@@ -116,10 +132,10 @@ class ActorCell(Supervisor):
             raise ActorStopped(self.address)
         reply: asyncio.Future[Any] = self.loop.create_future()
         item = (msg, reply)
-        if not self.mailbox.try_put(item):
+        if not self._try_put(item):
             try:
                 async with asyncio.timeout(timeout):
-                    await self.mailbox.put(item)
+                    await self.mailbox.put(item, self.is_urgent(msg))
             except TimeoutError:
                 raise AskTimeout(self.address, timeout or 0.0) from None
             except ActorStopped:
@@ -235,6 +251,7 @@ class ActorCell(Supervisor):
             constructing.reset(token)
         self._dispatch = {}
         self.instance = instance
+        self.urgent = tuple(instance.urgent_messages)
         await instance.on_start()
 
     async def _recover(self, exc: BaseException) -> bool:

@@ -5,6 +5,10 @@ room) and exact about capacity: a producer that has to wait hands its item to
 the queue of waiters, and the consumer moves it in when a slot frees, so order
 of arrival is kept and the bound is never exceeded by ordinary messages.
 Control items (stop, restart) bypass the bound.
+
+Urgent items (``urgent=True``) overtake ordinary ones: they join the end of
+the urgent run at the head of the queue, so they are FIFO among themselves
+and come before every ordinary item already queued. The bound covers both.
 """
 
 from __future__ import annotations
@@ -17,15 +21,17 @@ __all__ = ["Mailbox"]
 
 
 class Mailbox:
-    __slots__ = ("_items", "_capacity", "_getter", "_putters", "_loop", "_closed_error")
+    __slots__ = ("_items", "_urgent", "_capacity", "_getter", "_putters", "_loop", "_closed_error")
 
     def __init__(self, capacity: int, loop: asyncio.AbstractEventLoop) -> None:
         if capacity < 0:
             raise ValueError(f"mailbox capacity must be >= 0 (0 = unbounded), got {capacity}")
         self._items: deque[Any] = deque()
+        self._urgent = 0
+        """How many items at the head of ``_items`` are urgent (or front-of-line control)."""
         self._capacity = capacity
         self._getter: asyncio.Future[None] | None = None
-        self._putters: deque[tuple[asyncio.Future[None], Any]] = deque()
+        self._putters: deque[tuple[asyncio.Future[None], Any, bool]] = deque()
         self._loop = loop
         self._closed_error: BaseException | None = None
 
@@ -36,8 +42,18 @@ class Mailbox:
     def capacity(self) -> int:
         return self._capacity
 
+    def _insert(self, item: Any, urgent: bool) -> None:
+        if urgent:
+            if self._urgent == len(self._items):
+                self._items.append(item)
+            else:
+                self._items.insert(self._urgent, item)
+            self._urgent += 1
+        else:
+            self._items.append(item)
+
     def try_put(self, item: Any) -> bool:
-        """Append ``item`` if there is room and nobody is waiting before it."""
+        """Queue ``item`` last if there is room and nobody is waiting before it."""
         if self._putters or (self._capacity and len(self._items) >= self._capacity):
             return False
         self._items.append(item)
@@ -46,14 +62,24 @@ class Mailbox:
             getter.set_result(None)
         return True
 
-    async def put(self, item: Any) -> None:
-        """Append ``item``, waiting while the mailbox is full."""
-        if self.try_put(item):
+    def try_put_urgent(self, item: Any) -> bool:
+        """Queue ``item`` after the urgent items already queued, on the same terms as :meth:`try_put`."""
+        if self._putters or (self._capacity and len(self._items) >= self._capacity):
+            return False
+        self._insert(item, True)
+        getter = self._getter
+        if getter is not None and not getter.done():
+            getter.set_result(None)
+        return True
+
+    async def put(self, item: Any, urgent: bool = False) -> None:
+        """Queue ``item`` (after the queued urgent items if ``urgent``), waiting while the mailbox is full."""
+        if self.try_put_urgent(item) if urgent else self.try_put(item):
             return
         if self._closed_error is not None:
             raise self._closed_error
         fut: asyncio.Future[None] = self._loop.create_future()
-        waiter = (fut, item)
+        waiter = (fut, item, urgent)
         self._putters.append(waiter)
         try:
             await fut
@@ -69,6 +95,7 @@ class Mailbox:
         """Add a control item regardless of capacity, first in line or last."""
         if front:
             self._items.appendleft(item)
+            self._urgent += 1
         else:
             self._items.append(item)
         getter = self._getter
@@ -77,9 +104,11 @@ class Mailbox:
 
     def get_nowait(self) -> Any:
         item = self._items.popleft()
+        if self._urgent:
+            self._urgent -= 1
         if self._putters:
-            fut, waiting = self._putters.popleft()
-            self._items.append(waiting)
+            fut, waiting, urgent = self._putters.popleft()
+            self._insert(waiting, urgent)
             if not fut.done():
                 fut.set_result(None)
         return item
@@ -99,8 +128,9 @@ class Mailbox:
         self._closed_error = error
         left = list(self._items)
         self._items.clear()
+        self._urgent = 0
         while self._putters:
-            fut, item = self._putters.popleft()
+            fut, item, _ = self._putters.popleft()
             left.append(item)
             if not fut.done():
                 fut.set_exception(error)

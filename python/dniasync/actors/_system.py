@@ -263,7 +263,7 @@ class ActorSystem:
             raise ActorNotFound(f"no actor named {name!r} on {self._node}")
         if not cell.alive:
             raise ActorStopped(cell.address)
-        return cell.mailbox.try_put((msg, reply))
+        return cell._try_put((msg, reply))
 
     async def deliver_wait(self, name: str, msg: Any, reply: Any) -> None:
         """Like :meth:`deliver`, waiting while the mailbox is full."""
@@ -272,7 +272,7 @@ class ActorSystem:
             raise ActorNotFound(f"no actor named {name!r} on {self._node}")
         if not cell.alive:
             raise ActorStopped(cell.address)
-        await cell.mailbox.put((msg, reply))
+        await cell.mailbox.put((msg, reply), cell.is_urgent(msg))
 
     def actors(self) -> list[ActorRef]:
         """Refs of every running local actor."""
