@@ -186,6 +186,11 @@ def model_parallel() -> dict[str, Any]:
             unit="percentunit", w=12)
     d.panel("timeseries", "Synthetic-gradient loss", "Latest regression loss of each group's SG model.",
             [target(f"max by (group) (dniasync_dni_sg_loss{{{gsel}}})", "{{group}}")], w=12)
+    d.panel("timeseries", "SG staleness", "Mean updates a group made between a batch's forward and the SG fit on "
+            "its true gradient (the delay the synthetic-gradient model learns across).",
+            [target(f"sum by (group) (rate(dniasync_dni_sg_staleness_updates_sum{{{gsel}}}[{RI}])) / "
+                    f"sum by (group) (rate(dniasync_dni_sg_staleness_updates_count{{{gsel}}}[{RI}]))", "{{group}}")],
+            w=12)
     d.panel("timeseries", "Queue depth", "Messages waiting in each group's mailbox.",
             [target(f"max by (group) (dniasync_dni_group_queue_messages{{{gsel}}})", "{{group}}")], w=12)
     d.panel("timeseries", "Steps/s", "Optimizer steps per second of each group and of its SG model.",

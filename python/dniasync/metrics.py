@@ -164,6 +164,9 @@ DNI_EVICTIONS = _m("dniasync_dni_group_evictions_total", "counter",
                    "Batches a layer group evicted before their gradient came back.", "group")
 DNI_LATE = _m("dniasync_dni_group_late_gradients_total", "counter",
               "Gradients that arrived after their batch was evicted.", "group")
+DNI_SG_STALENESS = _m("dniasync_dni_sg_staleness_updates", "summary",
+                      "Updates a layer group made between a batch's forward and the SG fit on its true gradient.",
+                      "group")
 
 METRICS: tuple[MetricDef, ...] = tuple(v for v in list(globals().values()) if isinstance(v, MetricDef))
 """Every metric dniasync exports, in definition order (the README lists them)."""
@@ -245,6 +248,8 @@ class LayerGroupState(Protocol):
     steps: int
     evictions: int
     late_gradients: int
+    staleness_sum: int
+    staleness_count: int
     forward_seconds: float
     forwards: int
     sg: Any  # RegressorState | None
@@ -469,7 +474,7 @@ class NodeMetrics(Collector):
         if not self._groups:
             return
         families = {d: d.family() for d in (DNI_STEPS, DNI_STEP_TIME, DNI_SG_LOSS, DNI_SG_STEPS, DNI_QUEUE,
-                                             DNI_EVICTIONS, DNI_LATE)}
+                                             DNI_EVICTIONS, DNI_LATE, DNI_SG_STALENESS)}
         for group in self._groups.values():
             label = [group.ref.name]
             _add(families[DNI_STEPS], label, group.steps)
@@ -482,6 +487,9 @@ class NodeMetrics(Collector):
             sg = group.sg
             if sg is not None:
                 _add(families[DNI_SG_STEPS], label, sg.steps)
+                staleness = families[DNI_SG_STALENESS]
+                assert isinstance(staleness, SummaryMetricFamily)
+                staleness.add_metric(label, group.staleness_count, group.staleness_sum)
                 try:
                     _add(families[DNI_SG_LOSS], label, float(sg.losses[-1]))
                 except IndexError:  # not trained yet

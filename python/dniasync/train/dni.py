@@ -18,6 +18,7 @@ placed on any node.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -176,6 +177,8 @@ class GroupStats:
     input_loss: float
     evictions: int
     late_gradients: int
+    sg_staleness: float = math.nan
+    """Mean number of this group's own updates between a batch's forward and the SG fit on its true gradient."""
 
 
 @message("dniasync.dni.StateRequest")
@@ -495,6 +498,8 @@ class _Kept:
     labels: torch.Tensor
     step_id: int
     parts: int
+    at_step: int = 0
+    """The group's update count when the batch went forward (DNI: the SG fit's staleness is measured from it)."""
 
 
 # -- the actor ---------------------------------------------------------------------
@@ -519,6 +524,7 @@ class LayerGroup(Actor):
     """
 
     mailbox_size = 64
+    urgent_messages: tuple[type, ...] = ()
 
     def __init__(
         self,
@@ -534,6 +540,11 @@ class LayerGroup(Actor):
         self.layers = layers
         self.settings = settings
         self.last = last
+        if settings.mode == "dni":
+            # A true gradient is the SG model's training target: the sooner it is fitted, the fresher the
+            # synthetic gradients of the forwards queued behind it. The synchronous pipeline keeps arrival
+            # order (all forwards of a step, then their backwards, as GPipe does).
+            self.urgent_messages = (Gradient,)
         self.optimizer = _make_optimizer(list(layers.parameters()), settings.optimizer, settings.lr)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -561,6 +572,9 @@ class LayerGroup(Actor):
         self.steps = 0
         self.evictions = 0
         self.late_gradients = 0
+        self.staleness_sum = 0
+        self.staleness_count = 0
+        self._staleness_seen = (0, 0)
         self.forwards = 0
         self.forward_seconds = 0.0
         self._sg_seen = 0
@@ -720,7 +734,8 @@ class LayerGroup(Actor):
         elif self.settings.mode == "dni":
             grad_in = await self.run_blocking(self._synthetic_update, h_in, h_out, msg.labels)
             self._trace("update", b)
-            self._keep(self._outputs, b, _Kept(None, h_out.detach(), msg.labels, msg.step_id, msg.parts))
+            kept = _Kept(None, h_out.detach(), msg.labels, msg.step_id, msg.parts, self.steps)
+            self._keep(self._outputs, b, kept)
             await self._pass_upstream(b, grad_in)
         else:
             # sync: keep the graph until the true gradient comes back
@@ -751,6 +766,8 @@ class LayerGroup(Actor):
             return
         if entry.h_in is None:  # DNI: the gradient is the SG model's target
             assert self.sg is not None
+            self.staleness_sum += self.steps - entry.at_step
+            self.staleness_count += 1
             await self.run_blocking(self.sg.fit, entry.h_out, entry.labels, msg.gradient)
             self._trace("sg_step", b)
             await self._send(self.monitor, Done(b))
@@ -778,6 +795,8 @@ class LayerGroup(Actor):
     def stats(self, msg: StatsRequest) -> GroupStats:
         sg_loss, self._sg_seen = _mean_since(self.sg, self._sg_seen)
         input_loss, self._input_seen = _mean_since(self.input_model, self._input_seen)
+        total, count = self.staleness_sum - self._staleness_seen[0], self.staleness_count - self._staleness_seen[1]
+        self._staleness_seen = (self.staleness_sum, self.staleness_count)
         return GroupStats(
             self.ref.address,
             self.steps,
@@ -787,6 +806,7 @@ class LayerGroup(Actor):
             input_loss,
             self.evictions,
             self.late_gradients,
+            total / count if count else math.nan,
         )
 
     @handler
