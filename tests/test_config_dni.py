@@ -79,6 +79,8 @@ def test_defaults_and_placement() -> None:
         ("dni.grops", [[0]], "dni.grops", "did you mean 'groups'"),
         ("dni.sg_lr", 0.0, "dni.sg_lr", "must be > 0.0"),
         ("dni.max_in_flight", 0, "dni.max_in_flight", "at least 1"),
+        ("dni.sg_fit_rows", -1, "dni.sg_fit_rows", "at least 0"),
+        ("dni.sg_fit_rows", 17, "dni.sg_fit_rows", "more than data.batch_size = 16"),
         ("dni.micro_batches", 2, "dni.micro_batches", "applies only when dni.variant is 'sync'"),
         ("dni.n_fetch", 2, "dni.n_fetch", "applies only when dni.replicas > 1"),
         ("dni.replicas", 0, "dni.replicas", "at least 1"),
@@ -102,7 +104,7 @@ def test_bad_dni_configs_name_the_key(dotted: str, value: Any, key: str, message
 def test_sync_rules() -> None:
     sync = with_(base(), "dni.variant", "sync")
     assert parse_config(with_(sync, "dni.micro_batches", 8)).dni.micro_batches == 8
-    for key, value in (("synthetic_inputs", True), ("sg_lr", 1e-3), ("max_in_flight", 2)):
+    for key, value in (("synthetic_inputs", True), ("sg_lr", 1e-3), ("sg_fit_rows", 8), ("max_in_flight", 2)):
         with pytest.raises(ConfigError, match=f"'dni.{key}' applies only when dni.variant is 'dni' or 'cdni'"):
             parse_config(with_(sync, f"dni.{key}", value))
     with pytest.raises(ConfigError, match="more than data.batch_size = 16") as err:

@@ -223,8 +223,35 @@ async def test_true_gradient_overtakes_queued_forwards_and_staleness_is_reported
     assert isinstance(trace, Trace)
     handled = [(e, b) for e, b in zip(trace.events, trace.batch_ids) if e in ("forward", "gradient")]
     assert handled == [("forward", 0), ("gradient", 0), ("forward", 1), ("forward", 2), ("gradient", 1)]
-    assert fresh.sg_steps == 1 and fresh.sg_staleness == 0.0
-    assert stale.sg_steps == 2 and stale.sg_staleness == 1.0
+    assert (fresh.sg_steps, fresh.sg_staleness_total) == (1, 0)
+    assert (stale.sg_steps, stale.sg_staleness_total) == (2, 1)  # batch 1's fit came one update late
+
+
+async def test_sg_fit_rows_fits_the_synthetic_gradient_on_the_first_rows_only() -> None:
+    torch.manual_seed(1)
+    layers = nn.Sequential(nn.Linear(12, 8))
+    sg = SyntheticGradient(8, num_classes=10, hidden_layers=0, lr=1e-2)
+    reference, everything = copy.deepcopy(sg), copy.deepcopy(sg)
+    labels = torch.tensor([1, 2, 3, 4])
+    target = torch.randn(4, 8)
+    settings = DNISettings(conditioned=True, sg_fit_rows=2)
+    async with ActorSystem() as system:
+        rec = await system.spawn(Recorder, name="recorder")
+        group = await system.spawn(LayerGroup, layers, settings, 12, 8, 12, False, 0, sg, name="g0")
+        await group.ask(Connect([], [rec], rec))
+        await group.tell(Forward(0, 0, 1, 1.0, torch.randn(4, 12), labels))
+        await group.ask(StatsRequest())
+        await group.tell(Gradient(0, target))
+        stats = await group.ask(StatsRequest())
+        received = await rec.ask(StatsRequest())
+
+    h_out = next(m for m in received if isinstance(m, Forward)).activations
+    reference.fit(h_out[:2], labels[:2], target[:2])
+    assert stats.sg_steps == 1
+    for got, want in zip(sg.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+    everything.fit(h_out, labels, target)  # all four rows would have moved it elsewhere
+    assert not torch.allclose(everything.net[0].weight, sg.net[0].weight)
 
 
 # -- whole pipelines -----------------------------------------------------------------------

@@ -77,6 +77,9 @@ directory of the process that reads the config.
   ``sg_hidden_layers`` (int >= 0, default 0: linear), ``sg_hidden_width`` (int >= 0,
   default 0: as wide as the activations), ``sg_lr`` (float > 0, default 1e-4):
   the synthetic-gradient model's shape and Adam learning rate; not with ``sync``.
+  ``sg_fit_rows`` (int >= 0, default 0: all, at most ``data.batch_size``): fit the
+  SG model on this many rows of each returning batch (a random sample: batches
+  are shuffled); less SG work per batch for a little accuracy; not with ``sync``.
   ``max_in_flight`` (int >= 1, default 4): mini-batches in a DNI pipeline at once.
   ``micro_batches`` (int >= 1, default 4, at most ``data.batch_size``): ``sync`` only.
   ``replicas`` (int >= 1, default 1): pipelines, each on its own data shard;
@@ -241,6 +244,7 @@ class DNIConfig:
     sg_hidden_layers: int = 0
     sg_hidden_width: int = 0
     sg_lr: float = 1e-4
+    sg_fit_rows: int = 0
     max_in_flight: int = 4
     micro_batches: int = 4
     replicas: int = 1
@@ -609,7 +613,7 @@ def _parse_dni(s: _Section) -> DNIConfig:
         if not group:
             raise s.error("groups", f"group {k} is empty")
     variant = s.string("variant", DNIConfig.variant, choices=DNI_VARIANTS)
-    for key in ("synthetic_inputs", "sg_hidden_layers", "sg_hidden_width", "sg_lr", "max_in_flight"):
+    for key in ("synthetic_inputs", "sg_hidden_layers", "sg_hidden_width", "sg_lr", "sg_fit_rows", "max_in_flight"):
         s.only_for(key, "variant", variant, ("dni", "cdni"))
     s.only_for("micro_batches", "variant", variant, ("sync",))
     replicas = s.integer("replicas", 1, minimum=1)
@@ -633,6 +637,7 @@ def _parse_dni(s: _Section) -> DNIConfig:
         sg_hidden_layers=s.integer("sg_hidden_layers", DNIConfig.sg_hidden_layers, minimum=0),
         sg_hidden_width=s.integer("sg_hidden_width", DNIConfig.sg_hidden_width, minimum=0),
         sg_lr=s.number("sg_lr", DNIConfig.sg_lr, low=0.0, low_open=True),
+        sg_fit_rows=s.integer("sg_fit_rows", DNIConfig.sg_fit_rows, minimum=0),
         max_in_flight=s.integer("max_in_flight", DNIConfig.max_in_flight, minimum=1),
         micro_batches=s.integer("micro_batches", DNIConfig.micro_batches, minimum=1),
         replicas=replicas,
@@ -649,6 +654,11 @@ def _check_dni(config: Config, raw_optimizer: Mapping[str, Any]) -> None:
         raise ConfigError(
             f"'dni.micro_batches' is {d.micro_batches}, more than data.batch_size = {config.data.batch_size}",
             "dni.micro_batches",
+        )
+    if d.sg_fit_rows > config.data.batch_size:
+        raise ConfigError(
+            f"'dni.sg_fit_rows' is {d.sg_fit_rows}, more than data.batch_size = {config.data.batch_size}",
+            "dni.sg_fit_rows",
         )
     if config.optimizer.clip_norm is not None:
         raise ConfigError("'optimizer.clip_norm' does not apply in mode 'dni'", "optimizer.clip_norm")
@@ -700,7 +710,7 @@ _MODE_PARSERS: Final[dict[str, tuple[_ModeParser, tuple[str, ...]]]] = {
     "hogwild": (_parse_hogwild, ("n_workers",)),
     "dni": (
         _parse_dni,
-        ("groups", "variant", "synthetic_inputs", "sg_hidden_layers", "sg_hidden_width", "sg_lr",
+        ("groups", "variant", "synthetic_inputs", "sg_hidden_layers", "sg_hidden_width", "sg_lr", "sg_fit_rows",
          "max_in_flight", "micro_batches", "replicas", "n_fetch", "n_push", "placement"),
     ),
 }

@@ -124,6 +124,7 @@ def dni_settings(config: Config, num_classes: int) -> DNISettings:
         sg_hidden_layers=d.sg_hidden_layers,
         sg_hidden_width=d.sg_hidden_width,
         sg_lr=d.sg_lr,
+        sg_fit_rows=d.sg_fit_rows,
         synthetic_inputs=d.synthetic_inputs,
         cache_size=max(64, 2 * d.max_in_flight, 2 * d.micro_batches),
     )
@@ -384,6 +385,8 @@ class DNIJob(Actor):
                 self.report.set_metric(f"{key}_address", s.address)
                 for name in ("steps", "sg_steps", "input_steps", "evictions", "late_gradients"):
                     self.report.set_metric(f"{key}_{name}", int(getattr(s, name)))
+                if s.sg_steps:  # mean updates between a batch's forward and its SG fit
+                    self.report.set_metric(f"{key}_sg_staleness_mean", s.sg_staleness_total / s.sg_steps)
                 if math.isfinite(s.input_loss):
                     self.report.set_metric(f"{key}_input_loss_last", s.input_loss)
         await record_ps_stats(self.report, enumerate(self.ps))  # one shard per group

@@ -18,7 +18,6 @@ placed on any node.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -177,8 +176,8 @@ class GroupStats:
     input_loss: float
     evictions: int
     late_gradients: int
-    sg_staleness: float = math.nan
-    """Mean number of this group's own updates between a batch's forward and the SG fit on its true gradient."""
+    sg_staleness_total: int = 0
+    """Sum over SG fits of this group's own updates between the batch's forward and the fit (mean: / sg_steps)."""
 
 
 @message("dniasync.dni.StateRequest")
@@ -290,6 +289,10 @@ class DNISettings:
     input from the raw data and train on it before the real input arrives.
     ``cache_size`` bounds the batches a group keeps while their gradient is
     on its way back (DNI: outputs for SG training; sync: graphs).
+    ``sg_fit_rows``: fit the SG model on the first this many rows of each
+    returning batch (0: all). Batches are shuffled, so the rows are a random
+    sample; fitting on half a batch of 128 halves the SG model's training cost
+    for a small loss in accuracy (see ``benchmarks/bench_dni.py``).
     """
 
     mode: Literal["dni", "sync"] = "dni"
@@ -301,6 +304,7 @@ class DNISettings:
     sg_hidden_width: int = 0
     """0: as wide as the activations."""
     sg_lr: float = 1e-4
+    sg_fit_rows: int = 0
     synthetic_inputs: bool = False
     input_lr: float = 1e-3
     cache_size: int = 64
@@ -313,8 +317,8 @@ class DNISettings:
             raise ValueError(f"mode must be 'dni' or 'sync', got {self.mode!r}")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
-        if self.sg_hidden_layers < 0 or self.sg_hidden_width < 0:
-            raise ValueError("sg_hidden_layers and sg_hidden_width must be >= 0")
+        if self.sg_hidden_layers < 0 or self.sg_hidden_width < 0 or self.sg_fit_rows < 0:
+            raise ValueError("sg_hidden_layers, sg_hidden_width and sg_fit_rows must be >= 0")
         if self.send_timeout_s <= 0:
             raise ValueError(f"send_timeout_s must be > 0, got {self.send_timeout_s}")
         if self.cache_size < 1:
@@ -325,9 +329,10 @@ class DNISettings:
             raise ValueError("synthetic inputs need mode='dni'")
 
 
-def _make_optimizer(params: list[nn.Parameter], kind: str, lr: float) -> torch.optim.Optimizer:
+def _make_optimizer(params: list[nn.Parameter], kind: str, lr: float, *, fused: bool = False) -> torch.optim.Optimizer:
+    """torch's Adam or SGD; ``fused``: its single-kernel Adam (same update, less time on small models)."""
     if kind == "adam":
-        return torch.optim.Adam(params, lr=lr)
+        return torch.optim.Adam(params, lr=lr, fused=fused or None)
     return torch.optim.SGD(params, lr=lr)
 
 
@@ -347,7 +352,9 @@ class _Regressor(nn.Module):
     def __init__(self, net: nn.Sequential, lr: float, optimizer: str, history: int) -> None:
         super().__init__()
         self.net = net
-        self.optimizer = _make_optimizer(list(net.parameters()), optimizer, lr)
+        # an SG or input model is DNI's own overhead: its Adam runs fused (the layers' optimizer is torch's default,
+        # as in the single-process backprop it is compared with)
+        self.optimizer = _make_optimizer(list(net.parameters()), optimizer, lr, fused=True)
         self.losses: deque[float] = deque(maxlen=history)
         """The most recent training losses (bounded)."""
         self.steps = 0
@@ -574,7 +581,6 @@ class LayerGroup(Actor):
         self.late_gradients = 0
         self.staleness_sum = 0
         self.staleness_count = 0
-        self._staleness_seen = (0, 0)
         self.forwards = 0
         self.forward_seconds = 0.0
         self._sg_seen = 0
@@ -768,7 +774,8 @@ class LayerGroup(Actor):
             assert self.sg is not None
             self.staleness_sum += self.steps - entry.at_step
             self.staleness_count += 1
-            await self.run_blocking(self.sg.fit, entry.h_out, entry.labels, msg.gradient)
+            rows = self.settings.sg_fit_rows or None
+            await self.run_blocking(self.sg.fit, entry.h_out[:rows], entry.labels[:rows], msg.gradient[:rows])
             self._trace("sg_step", b)
             await self._send(self.monitor, Done(b))
             return
@@ -795,8 +802,6 @@ class LayerGroup(Actor):
     def stats(self, msg: StatsRequest) -> GroupStats:
         sg_loss, self._sg_seen = _mean_since(self.sg, self._sg_seen)
         input_loss, self._input_seen = _mean_since(self.input_model, self._input_seen)
-        total, count = self.staleness_sum - self._staleness_seen[0], self.staleness_count - self._staleness_seen[1]
-        self._staleness_seen = (self.staleness_sum, self.staleness_count)
         return GroupStats(
             self.ref.address,
             self.steps,
@@ -806,7 +811,7 @@ class LayerGroup(Actor):
             input_loss,
             self.evictions,
             self.late_gradients,
-            total / count if count else math.nan,
+            self.staleness_sum,
         )
 
     @handler
