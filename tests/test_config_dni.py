@@ -112,6 +112,18 @@ def test_sync_rules() -> None:
     assert err.value.key == "dni.micro_batches"
 
 
+def test_deferred_evaluation_rules() -> None:
+    assert parse_config(with_(base(), "eval.deferred", True)).eval.deferred
+    with pytest.raises(ConfigError, match="cannot be used with stop.target_accuracy") as err:
+        parse_config(with_(with_(base(), "eval.deferred", True), "stop.target_accuracy", 0.9))
+    assert err.value.key == "eval.deferred"
+    hogwild = with_(with_(base(), "job.mode", "hogwild"), "dni", DELETE)
+    with pytest.raises(ConfigError, match="applies only in mode 'dni', not 'hogwild'"):
+        parse_config(with_(hogwild, "eval.deferred", True))
+    with pytest.raises(ConfigError, match="must be true or false"):
+        parse_config(with_(base(), "eval.deferred", "yes"))
+
+
 def test_replicated_groups_take_any_ps_optimizer() -> None:
     raw = with_(with_(base(), "dni.replicas", 2), "optimizer", {"name": "adagrad", "lr": 0.05})
     config = parse_config(with_(raw, "dni.n_push", 2))

@@ -96,6 +96,23 @@ def test_two_group_cdni_job_trains_digits_in_separate_processes(tmp_path: Path) 
     assert "layer groups       2 x 1 pipeline(s), variant cdni" in proc.stdout
 
 
+
+def test_deferred_evaluation_scores_weights_taken_during_training_after_it(tmp_path: Path) -> None:
+    config, out = write_job(tmp_path, "deferred", epochs=20)
+    config.write_text(config.read_text().replace("every_seconds = 0.5", "every_steps = 40\ndeferred = true"))
+    proc = launch(config)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = summary(out)
+    history = doc["history"]
+    logs = (out / "logs" / "coordinator0.log").read_text()
+    # every snapshot was scored once training was over, in the order it was taken
+    assert f"training done: scoring {len(history)} deferred evaluations" in logs, logs
+    assert len(history) >= 3
+    walls, samples = [p["wall_s"] for p in history], [p["samples"] for p in history]
+    assert walls == sorted(walls) and samples == sorted(samples) and samples[-1] == 20 * 1400
+    assert walls[-1] <= doc["wall_s"]  # dated while training; the summary's wall time is the training's
+    assert doc["final_accuracy"] >= 0.85 and doc["final_accuracy"] == history[-1]["accuracy"]
+
 def test_placement_puts_both_groups_in_one_worker_process(tmp_path: Path) -> None:
     config, out = write_job(tmp_path, "placed", epochs=3, extra="placement = [0, 0]\n")
     proc = launch(config)

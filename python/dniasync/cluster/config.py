@@ -99,8 +99,14 @@ directory of the process that reads the config.
 ``[eval]`` (at most one of the two; default every 2 seconds)
   ``every_seconds`` (float > 0): evaluate on the held-out set this often.
   ``every_steps`` (int >= 1): ... or after this many mini-batch steps, all replicas together.
-  In mode ``dni`` evaluation happens between chunks of mini-batches (a pipeline
-  drains first), so ``every_seconds`` is a lower bound on the interval.
+  The coordinator evaluates a copy of the weights while training goes on, so a
+  slow evaluation stretches the interval: ``every_seconds`` is a lower bound.
+  ``deferred`` (bool, default false; mode ``dni`` only, not with
+  ``stop.target_accuracy``): take the weights at each interval but run their
+  forward passes after training, so evaluation takes no CPU from the groups
+  while they train (on a small machine it competes with them); the summary,
+  plot and history are the same, the live accuracy gauge updates only at the
+  end. At most 256 snapshots wait; beyond that the oldest is evaluated at once.
 
 Adding a mode (e.g. DNI): write its settings dataclass and a ``_parse_<mode>``
 function, add it to ``_MODE_PARSERS`` and to the ``ModeSettings`` union.
@@ -285,6 +291,7 @@ class EvalConfig:
 
     every_seconds: float | None = _DEFAULT_EVAL_SECONDS
     every_steps: int | None = None
+    deferred: bool = False
 
 
 @dataclass(frozen=True)
@@ -697,7 +704,7 @@ def _parse_eval(s: _Section) -> EvalConfig:
     every_seconds = s.number(
         "every_seconds", None if every_steps else _DEFAULT_EVAL_SECONDS, low=0.0, low_open=True
     )
-    return EvalConfig(every_seconds=every_seconds, every_steps=every_steps)
+    return EvalConfig(every_seconds=every_seconds, every_steps=every_steps, deferred=s.boolean("deferred", False))
 
 
 _ModeParser = Callable[[_Section], ModeSettings]
@@ -723,7 +730,7 @@ _SECTIONS: Final[dict[str, tuple[str, ...]]] = {
              "csv_header", "npz_x_key", "npz_y_key"),
     "optimizer": ("name", "lr", "momentum", "weight_decay", "clip_norm", "eps", "betas"),
     "stop": ("max_epochs", "target_accuracy", "max_seconds"),
-    "eval": ("every_seconds", "every_steps"),
+    "eval": ("every_seconds", "every_steps", "deferred"),
 }
 _REQUIRED_SECTIONS: Final = ("job", "model", "data")
 
@@ -766,6 +773,14 @@ def parse_config(raw: Mapping[str, Any], *, resolve: bool = True) -> Config:
     )
     if job.mode == "dni":
         _check_dni(config, raw.get("optimizer", {}))
+    if config.eval.deferred:
+        if job.mode != "dni":
+            raise ConfigError(f"'eval.deferred' applies only in mode 'dni', not {job.mode!r}", "eval.deferred")
+        if config.stop.target_accuracy is not None:
+            raise ConfigError(
+                "'eval.deferred' cannot be used with stop.target_accuracy: the accuracy is known only after training",
+                "eval.deferred",
+            )
     shards_key = {"downpour": "downpour.n_replicas", "dni": "dni.replicas"}.get(job.mode, f"{job.mode}.n_workers")
     if config.n_data_shards > config.data.n_train:
         raise ConfigError(

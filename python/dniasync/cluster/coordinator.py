@@ -376,8 +376,8 @@ class TrainingCoordinator(Actor):
             for reply in replies:
                 offset, length = self.ranges[reply.shard]
                 self.eval_buffer[offset:offset + length] = reply.values
+        wall, samples = self._wall(), self._samples()  # when the weights were taken, not when their forward ended
         accuracy, loss = await self.run_blocking(evaluate, self.eval_flat.model, self.x_test, self.y_test)
-        wall, samples = self._wall(), self._samples()
         last_wall, last_samples = self._rate
         if wall > last_wall:
             self._samples_per_s = (samples - last_samples) / (wall - last_wall)

@@ -27,8 +27,9 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -141,6 +142,22 @@ def _shard_settings(config: Config) -> ShardSettings:
                          weight_decay=opt.weight_decay, staleness=StalenessPolicy())
 
 
+MAX_DEFERRED_SNAPSHOTS: Final = 256
+"""``eval.deferred`` keeps at most this many sets of weights; beyond, the oldest is scored at once."""
+
+
+@dataclass
+class _Snapshot:
+    """Weights taken for an evaluation, dated when they arrived."""
+
+    wall: float
+    samples: int
+    states: list[dict[str, torch.Tensor]] | None = None
+    """One pipeline: each group's state."""
+    shards: dict[int, np.ndarray[Any, Any]] = field(default_factory=dict)
+    """Replicated groups: each group's PS shard values."""
+
+
 @message("dniasync.cluster.dni.Begin")
 @dataclass(frozen=True)
 class _Begin:
@@ -179,6 +196,8 @@ class DNIJob(Actor):
         self._main: asyncio.Task[None] | None = None
         self._sg_first: dict[str, float] = {}
         self._sg_last: dict[str, float] = {}
+        self._deferred: deque[_Snapshot] = deque()
+        """With ``eval.deferred``: weights taken while training, evaluated once it ends."""
 
     # -- setup --------------------------------------------------------------
     async def on_start(self) -> None:
@@ -286,17 +305,29 @@ class DNIJob(Actor):
             train_wall = self._wall()
             train_samples = self._samples()
             # the evaluation that met the target is the result; otherwise evaluate what training left
-            if not reason.startswith("reached") and (
-                not self.report.history or self.report.history[-1].samples != train_samples
-            ):
+            last = self._deferred[-1].samples if self._deferred else (
+                self.report.history[-1].samples if self.report.history else None)
+            if not reason.startswith("reached") and last != train_samples:
                 await self._evaluate()
+            if self._deferred:
+                await self._evaluate_deferred()
             self.report.set_metric("train_samples_per_s", train_samples / train_wall if train_wall > 0 else 0.0)
             await self._record_stats()
-            await self._finish(reason)
+            # deferred: the summary's wall time is training's (and its last snapshot's), not the scoring's
+            wall = max(train_wall, self.report.history[-1].wall_s) if self.config.eval.deferred else None
+            await self._finish(reason, wall=wall)
         except PipelineBroken as exc:
             await self._fail(exc)
         except (ActorError, TimeoutError) as exc:  # e.g. a PS shard gone while evaluating: fail, never hang
             await self._fail(PipelineBroken(getattr(exc, "address", "") or "the job", repr(exc)))
+        except Exception as exc:  # a bug ends the job as failed; it must never leave the launcher waiting
+            log.exception("DNI job failed unexpectedly")
+            try:
+                await self._finish(f"failed: {exc!r}", state="failed")
+            except Exception:
+                log.exception("could not write the summary")
+                self.state = "failed"
+                self.finished.set()
         finally:
             for driver in self.drivers:
                 try:
@@ -343,26 +374,54 @@ class DNIJob(Actor):
             await asyncio.gather(*trainers, return_exceptions=True)
 
     async def _evaluate(self) -> None:
-        # the forward pass runs here, on a copy of the current weights, so it takes no time from the groups
+        """Take the weights now and score them (with ``eval.deferred``: keep them to score after training)."""
+        snapshot = await self._snapshot()
+        for r, driver in enumerate(self.drivers):
+            self._note_sg_losses(r, await driver.stats())
+        if not self.config.eval.deferred:
+            await self._score(snapshot)
+            return
+        self._deferred.append(snapshot)
+        log.debug("eval: weights taken at %.1f s, %d samples (scored after training)", snapshot.wall, snapshot.samples)
+        if len(self._deferred) > MAX_DEFERRED_SNAPSHOTS:
+            await self._score(self._deferred.popleft())
+
+    async def _snapshot(self) -> _Snapshot:
+        # a copy of the current weights: the forward pass runs here and takes no time from the groups;
+        # the point is dated when the weights have arrived, not when their forward pass has finished
         if self.d.replicas == 1:
             states = await self.drivers[0].states()
-            await self.run_blocking(self._load_states, states)
-        else:  # the shared weights: what the PS shards hold now
-            replies = await asyncio.gather(*(ps.ask(Pull(), timeout=10.0) for ps in self.ps if ps is not None))
-            for reply in replies:
-                assert isinstance(reply, Params)
-                np.copyto(self.eval_buffers[reply.shard], reply.values)
+            return _Snapshot(self._wall(), self._samples(), states=states)
+        # the shared weights: what the PS shards hold now
+        replies = await asyncio.gather(*(ps.ask(Pull(), timeout=10.0) for ps in self.ps if ps is not None))
+        shards = {}
+        for reply in replies:
+            assert isinstance(reply, Params)
+            shards[reply.shard] = np.array(reply.values, copy=True)
+        return _Snapshot(self._wall(), self._samples(), shards=shards)
+
+    async def _score(self, snapshot: _Snapshot) -> None:
+        if snapshot.states is not None:
+            await self.run_blocking(self._load_states, snapshot.states)
+        for shard, values in snapshot.shards.items():
+            np.copyto(self.eval_buffers[shard], values)
         accuracy, loss = await self.run_blocking(evaluate, self.eval_model, self.x_test, self.y_test)
-        wall, samples = self._wall(), self._samples()
+        wall, samples = snapshot.wall, snapshot.samples
         last_wall, last_samples = self._rate
         if wall > last_wall:
             self.samples_per_s = (samples - last_samples) / (wall - last_wall)
         self._rate = (wall, samples)
         self.accuracy, self.loss = accuracy, loss
         self.report.record_eval(wall, samples, accuracy, loss)
-        for r, driver in enumerate(self.drivers):
-            self._note_sg_losses(r, await driver.stats())
         log.info("eval: %.1f s, %d samples, accuracy %.4f, loss %.4f", wall, samples, accuracy, loss)
+
+    async def _evaluate_deferred(self) -> None:
+        total = len(self._deferred)
+        log.info("training done: scoring %d deferred evaluations", total)
+        for done in range(1, total + 1):
+            await self._score(self._deferred.popleft())
+            if done % 20 == 0 or done == total:
+                log.info("deferred evaluations: %d/%d", done, total)
 
     def _load_states(self, states: list[dict[str, torch.Tensor]]) -> None:
         with torch.no_grad():
@@ -399,12 +458,14 @@ class DNIJob(Actor):
         self.report.record_event(self._wall(), EVENT_GROUP_FAILED, group=exc.address, reason=exc.reason)
         await self._finish(f"failed: layer group {exc.address} is down ({exc.reason})", state="failed")
 
-    async def _finish(self, reason: str, state: str = "finished") -> None:
+    async def _finish(self, reason: str, state: str = "finished", wall: float | None = None) -> None:
+        """Write the summary; ``wall``: the run's wall time if not now (deferred evaluations came after)."""
         self.report.set_metric("groups", len(self.d.groups))
         self.report.set_metric("pipelines", self.d.replicas)
         self.report.set_metric("variant", self.d.variant)
         self.report.set_metric("synthetic_inputs", self.d.synthetic_inputs)
-        self.report.finish(max(self._wall(), self.report.wall_s), max(self._samples(), self.report.samples), reason)
+        wall_s = wall if wall is not None else max(self._wall(), self.report.wall_s)
+        self.report.finish(wall_s, max(self._samples(), self.report.samples), reason)
         self.summary_path = str(await self.run_blocking(self.report.write_outputs, self.config.job.output_dir))
         self.state = state
         log.info("job %s: %s; summary in %s", state, reason, self.summary_path)
