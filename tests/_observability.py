@@ -57,6 +57,41 @@ max_seconds = {max_seconds}
 every_seconds = 0.5
 """
 
+DNI_JOB = """
+[job]
+name = "{name}"
+mode = "dni"
+seed = 3
+output_dir = "{out}"
+
+[model]
+factory = "dniasync.train.models:mlp"
+
+[model.kwargs]
+sizes = [64, 64, 64, 10]
+
+[data]
+dataset = "digits"
+n_train = 1400
+n_test = 397
+batch_size = 32
+
+[optimizer]
+name = "adam"
+lr = 0.001
+
+[dni]
+groups = [[0, 1], [2, 3, 4]]
+variant = "cdni"
+
+[stop]
+max_epochs = 1000000
+max_seconds = {max_seconds}
+
+[eval]
+every_seconds = 0.5
+"""
+
 DNI_NODE = r"""
 import asyncio, sys
 import torch
@@ -110,12 +145,15 @@ def env() -> dict[str, str]:
 
 
 class LocalCluster:
-    """``python -m dniasync.node --role local`` on a digits job, stopped (SIGTERM) on exit."""
+    """``python -m dniasync.node --role local`` on a digits job, stopped (SIGTERM) on exit.
 
-    def __init__(self, tmp: Path, name: str, max_seconds: float = 120) -> None:
+    ``job``: the config template (:data:`JOB`, Downpour; :data:`DNI_JOB`, two DNI layer groups).
+    """
+
+    def __init__(self, tmp: Path, name: str, max_seconds: float = 120, job: str = JOB) -> None:
         self.out = tmp / name
         config = tmp / f"{name}.toml"
-        config.write_text(JOB.format(name=name, out=self.out, max_seconds=max_seconds))
+        config.write_text(job.format(name=name, out=self.out, max_seconds=max_seconds))
         self.log = open(tmp / f"{name}.launcher.log", "w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "dniasync.node", "--role", "local", "--config",
                                       str(config)], stdout=self.log, stderr=subprocess.STDOUT, env=env())

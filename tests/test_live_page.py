@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from PIL import Image
 
-from _observability import LocalCluster, fetch, need
+from _observability import DNI_JOB, LocalCluster, fetch, need
 
 SERIES = ("accuracy", "loss", "samples_per_s", "staleness_mean", "pushed_bytes_per_s", "pulled_bytes_per_s")
 
@@ -24,16 +26,21 @@ def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]
     cluster = LocalCluster(tmp, "live-job")
     try:
         address = cluster.page_address()
-        deadline = time.monotonic() + 60
-        while True:  # until the run has a few evaluations and samples to chart
-            status = json.loads(fetch(f"http://{address}/api/status"))
-            if len(status["history"]) >= 3 and len(status["series"]) >= 3:
-                break
-            assert time.monotonic() < deadline, f"no data on the page:\n{status}\n{cluster.output()}"
-            time.sleep(0.5)
+        wait_for_data(cluster, address)
         yield address, tmp
     finally:
         cluster.stop()
+
+
+def wait_for_data(cluster: LocalCluster, address: str, timeout: float = 60) -> dict[str, Any]:
+    """``/api/status`` once the run has a few evaluations and samples to chart."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status: dict[str, Any] = json.loads(fetch(f"http://{address}/api/status"))
+        if len(status["history"]) >= 3 and len(status["series"]) >= 3:
+            return status
+        assert time.monotonic() < deadline, f"no data on the page:\n{status}\n{cluster.output()}"
+        time.sleep(0.5)
 
 
 def chromium(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -90,3 +97,26 @@ def test_page_refuses_foreign_host_names(page: tuple[str, Path]) -> None:
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(request, timeout=5)
     assert err.value.code == 403
+
+
+def test_page_shows_a_dni_job_and_its_layer_groups(tmp_path: Path) -> None:
+    cluster = LocalCluster(tmp_path, "live-dni", job=DNI_JOB)
+    try:
+        address = cluster.page_address()
+        status = wait_for_data(cluster, address)
+        assert sorted(m["role"] for m in status["members"]) == ["coordinator", "worker", "worker"]
+        assert status["job"]["mode"] == "dni" and status["job"]["state"] == "training"
+        groups = status["replicas"]
+        assert len(groups) == 2 and all(name.startswith("layer-group-") for name in groups), groups
+        assert list(groups.values()) == ["alive", "alive"]
+        assert status["history"][-1]["accuracy"] > 0.3
+        assert status["series"][-1]["samples_per_s"] > 0
+
+        if shutil.which("chromium"):
+            done = chromium(tmp_path, "--dump-dom", f"http://{address}/")
+            assert done.returncode == 0, done.stderr[-2000:]
+            assert '<h2 style="margin-top:12px" id="replicas-title">Layer groups</h2>' in done.stdout
+            for name in groups:
+                assert name in done.stdout
+    finally:
+        cluster.stop()

@@ -5,6 +5,9 @@ JS and inline SVG, and polls the JSON endpoint once a second. The series it
 charts come from the same state the node's ``/metrics`` reads: the training
 coordinator's job status and eval history, the replicas' byte counts it
 receives, and the PS shards' staleness histograms (asked for each sample).
+A DNI job shows the same way: its layer groups take the replicas' place, and
+the staleness histogram fills only when its groups share PS shards
+(``replicas > 1``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ._roles import NodeContext
 
 if TYPE_CHECKING:
     from ..cluster.coordinator import TrainingCoordinator
+    from ..cluster.dni_job import DNIJob
 
 __all__ = ["LivePage"]
 
@@ -65,11 +69,12 @@ class LivePage:
         self.transport.spawn_task(self._sample_forever(), "live-page-sampler")
 
     # -- sampling -----------------------------------------------------------------------
-    def _trainer(self) -> TrainingCoordinator | None:
+    def _trainer(self) -> TrainingCoordinator | DNIJob | None:
         from ..cluster.coordinator import TrainingCoordinator  # only the coordinator node needs torch
+        from ..cluster.dni_job import DNIJob
 
         for trainer in self.metrics.trainers():
-            if isinstance(trainer, TrainingCoordinator):
+            if isinstance(trainer, TrainingCoordinator | DNIJob):
                 return trainer
         return None
 
@@ -104,7 +109,7 @@ class LivePage:
             "staleness_mean": (now[4] - last[4]) / (now[5] - last[5]) if now[5] > last[5] else None,
         })
 
-    async def _staleness(self, trainer: TrainingCoordinator) -> tuple[int, int]:
+    async def _staleness(self, trainer: TrainingCoordinator | DNIJob) -> tuple[int, int]:
         """Sum and count of push staleness over every PS shard; refreshes the histogram."""
         shards = [ref for ref in trainer.ps if ref is not None]
         if not shards:
