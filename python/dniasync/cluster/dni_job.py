@@ -196,6 +196,8 @@ class DNIJob(Actor):
         self._main: asyncio.Task[None] | None = None
         self._sg_first: dict[str, float] = {}
         self._sg_last: dict[str, float] = {}
+        self._group_bytes: dict[str, tuple[int, int]] = {}
+        """group address -> (pushed, pulled) bytes it had reported (DNI x Downpour)"""
         self._deferred: deque[_Snapshot] = deque()
         """With ``eval.deferred``: weights taken while training, evaluated once it ends."""
 
@@ -339,7 +341,7 @@ class DNIJob(Actor):
         x, y = self._shard(r)
         result = await driver.train(x, y, epochs=self.config.stop.max_epochs,
                                     batch_size=self.config.data.batch_size, seed=self.config.job.seed + r)
-        self._note_sg_losses(r, result.stats)  # they asked the groups last: their SG losses are the latest
+        self._note_stats(r, result.stats)  # they asked the groups last: their SG losses are the latest
 
     async def _supervise(self, trainers: list[asyncio.Task[None]]) -> str:
         """Evaluate at the configured cadence until the pipelines finish or a stop condition holds."""
@@ -377,7 +379,7 @@ class DNIJob(Actor):
         """Take the weights now and score them (with ``eval.deferred``: keep them to score after training)."""
         snapshot = await self._snapshot()
         for r, driver in enumerate(self.drivers):
-            self._note_sg_losses(r, await driver.stats())
+            self._note_stats(r, await driver.stats())
         if not self.config.eval.deferred:
             await self._score(snapshot)
             return
@@ -428,17 +430,21 @@ class DNIJob(Actor):
             for part, state in zip(self.eval_parts, states):
                 part.load_state_dict(state)
 
-    def _note_sg_losses(self, r: int, stats: list[GroupStats]) -> None:
-        """Each group's mean SG loss since the previous stats request (first and latest kept)."""
+    def _note_stats(self, r: int, stats: list[GroupStats]) -> None:
+        """Each group's mean SG loss since the previous stats request (first and latest kept) and PS bytes."""
         for k, s in enumerate(stats):
             key = f"group{k}" if self.d.replicas == 1 else f"pipeline{r}_group{k}"
             if math.isfinite(s.sg_loss):
                 self._sg_first.setdefault(key, s.sg_loss)
                 self._sg_last[key] = s.sg_loss
+            pushed, pulled = self._group_bytes.get(s.address, (0, 0))
+            self.report.add_bytes(pushed=s.bytes_pushed - pushed, pulled=s.bytes_pulled - pulled)
+            self._group_bytes[s.address] = (s.bytes_pushed, s.bytes_pulled)
 
     async def _record_stats(self) -> None:
         for r, driver in enumerate(self.drivers):
             stats: list[GroupStats] = await driver.stats()
+            self._note_stats(r, stats)
             for k, s in enumerate(stats):
                 key = f"group{k}" if self.d.replicas == 1 else f"pipeline{r}_group{k}"
                 self.report.set_metric(f"{key}_address", s.address)
@@ -489,7 +495,8 @@ class DNIJob(Actor):
             samples=samples, epochs=samples / self.config.data.n_train, max_epochs=self.config.stop.max_epochs,
             accuracy=self.accuracy, loss=self.loss, samples_per_s=self.samples_per_s, replicas=alive,
             summary=self.summary_path,
-            extra={"groups": len(self.d.groups), "pipelines": self.d.replicas, "variant": self.d.variant},
+            extra={"groups": len(self.d.groups), "pipelines": self.d.replicas, "variant": self.d.variant,
+                   "bytes_pushed": self.report.bytes_pushed, "bytes_pulled": self.report.bytes_pulled},
         )
 
 

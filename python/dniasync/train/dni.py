@@ -178,6 +178,10 @@ class GroupStats:
     late_gradients: int
     sg_staleness_total: int = 0
     """Sum over SG fits of this group's own updates between the batch's forward and the fit (mean: / sg_steps)."""
+    bytes_pushed: int = 0
+    """Payload bytes of the gradients this group pushed to its PS shard (DNI x Downpour; else 0)."""
+    bytes_pulled: int = 0
+    """Payload bytes of the parameters this group pulled from its PS shard."""
 
 
 @message("dniasync.dni.StateRequest")

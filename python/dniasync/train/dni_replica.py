@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 
 from ..actors import ActorRef, handler
 from .compression import make_codec
-from .dni import DNISettings, Forward, Gradient, LayerGroup, RawInput, SyntheticGradient
+from .dni import DNISettings, Forward, Gradient, GroupStats, LayerGroup, RawInput, StatsRequest, SyntheticGradient
 from .flat import FlatModel, flatten_parameters
 from .messages import Params, Pull, Push
 
@@ -90,6 +91,8 @@ class ReplicatedLayerGroup(LayerGroup):
         self.seq = 0
         self.pushes = 0
         self.pulls = 0
+        self.bytes_pushed = 0
+        self.bytes_pulled = 0
         self._since_fetch = 0
         self._fetched = False
         self._steps_synced = 0
@@ -100,6 +103,7 @@ class ReplicatedLayerGroup(LayerGroup):
         np.copyto(self.buffer, reply.values)  # the layers' parameters are views of this buffer
         self.version = int(reply.version)
         self.pulls += 1
+        self.bytes_pulled += int(reply.values.nbytes)
         self._since_fetch = 0
         self._fetched = True
 
@@ -113,6 +117,7 @@ class ReplicatedLayerGroup(LayerGroup):
         self.flat.grad.zero_()
         self.accumulator.pending = 0
         self.pushes += 1
+        self.bytes_pushed += compressed.nbytes
 
     async def _sync(self) -> None:
         """Push and pull as the steps taken since the last call require."""
@@ -144,3 +149,7 @@ class ReplicatedLayerGroup(LayerGroup):
             await self._pull()
         await super().raw_input(msg)
         await self._sync()
+
+    @handler
+    def stats(self, msg: StatsRequest) -> GroupStats:
+        return replace(super().stats(msg), bytes_pushed=self.bytes_pushed, bytes_pulled=self.bytes_pulled)
