@@ -39,8 +39,11 @@ process running concurrently with training: dniasync's coordinator (which
 pulls the parameters from the PS shards, or reads the Hogwild shared store),
 and for torch an evaluator process reading the shared-memory parameters (of
 rank 0 for DDP). So evaluation costs every system the same CPU share on
-the 2 cores and its time is never stopped. Each evaluation is stamped with
-the time it ended. Time to 92% = the stamp of the first evaluation at or
+the 2 cores and its time is never stopped. Each evaluation is stamped (time
+and samples trained) when its weights were taken: for dniasync when the
+parameters arrived at the coordinator, for torch when the evaluator copied
+them out of shared memory; the forward pass over the held-out set comes
+after. Time to 92% = the stamp of the first evaluation at or
 above 92%. samples/s = samples trained between the first and the last
 evaluation / the time between them (so process start-up, data loading and
 the end of the run are left out the same way for everyone).
@@ -75,6 +78,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import tomllib  # noqa: E402
+from copy import deepcopy as copy_module  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -323,11 +327,15 @@ def _evaluator(model: torch.nn.Module, world: int, counts: Any, finished: Any, r
     ready.wait()
     go.wait()
     history = []
+    copy = copy_module(model)  # the weights of one moment, evaluated while training goes on
     while True:
         last = finished.value >= world
-        accuracy, loss = evaluate(model, x_test, y_test)
-        wall = time.monotonic() - t0.value
-        history.append({"wall_s": wall, "samples": int(sum(counts[:])), "accuracy": accuracy, "loss": loss})
+        with torch.no_grad():
+            for dst, src in zip(copy.parameters(), model.parameters(), strict=True):
+                dst.copy_(src)
+        wall, samples = time.monotonic() - t0.value, int(sum(counts[:]))
+        accuracy, loss = evaluate(copy, x_test, y_test)
+        history.append({"wall_s": wall, "samples": samples, "accuracy": accuracy, "loss": loss})
         if last:
             break
         wake = time.monotonic() + eval_s
@@ -516,7 +524,7 @@ def main() -> None:
                        "dniasync_downpour_threshold": f"Adagrad lr {ADAGRAD_LR} per PS shard, threshold tau 0.02",
                        "dniasync_hogwild": f"SGD lr {HOGWILD_LR}"},
         "clock": "starts when training may start (dniasync: first replica registers; torch: all processes up, "
-                 "on a barrier); includes data loading; eval by a concurrent process, stamped at its end",
+                 "on a barrier); includes data loading; eval by a concurrent process, stamped when it took the weights",
     }
     ratios: dict[str, float] = {}
 
