@@ -78,7 +78,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import tomllib  # noqa: E402
-from copy import deepcopy as copy_module  # noqa: E402
+from copy import deepcopy  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -327,7 +327,7 @@ def _evaluator(model: torch.nn.Module, world: int, counts: Any, finished: Any, r
     ready.wait()
     go.wait()
     history = []
-    copy = copy_module(model)  # the weights of one moment, evaluated while training goes on
+    copy = deepcopy(model)  # the weights of one moment, evaluated while training goes on
     while True:
         last = finished.value >= world
         with torch.no_grad():

@@ -249,7 +249,6 @@ class LayerGroupState(Protocol):
     evictions: int
     late_gradients: int
     staleness_sum: int
-    staleness_count: int
     forward_seconds: float
     forwards: int
     sg: Any  # RegressorState | None
@@ -489,7 +488,7 @@ class NodeMetrics(Collector):
                 _add(families[DNI_SG_STEPS], label, sg.steps)
                 staleness = families[DNI_SG_STALENESS]
                 assert isinstance(staleness, SummaryMetricFamily)
-                staleness.add_metric(label, group.staleness_count, group.staleness_sum)
+                staleness.add_metric(label, sg.steps, group.staleness_sum)
                 try:
                     _add(families[DNI_SG_LOSS], label, float(sg.losses[-1]))
                 except IndexError:  # not trained yet

@@ -111,9 +111,7 @@ class ActorCell(Supervisor):
     def tell_nowait(self, msg: Any) -> None:
         if self.state is STOPPING or self.state is STOPPED:
             raise ActorStopped(self.address)
-        urgent = self.urgent
-        put = self.mailbox.try_put_urgent if urgent and isinstance(msg, urgent) else self.mailbox.try_put
-        if not put((msg, None)):
+        if not self._try_put((msg, None)):
             raise MailboxFull(f"{self.address}: mailbox full ({self.mailbox.capacity} messages)")
 
     async def tell(self, msg: Any) -> None:

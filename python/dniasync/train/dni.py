@@ -535,7 +535,6 @@ class LayerGroup(Actor):
     """
 
     mailbox_size = 64
-    urgent_messages: tuple[type, ...] = ()
 
     def __init__(
         self,
@@ -584,7 +583,7 @@ class LayerGroup(Actor):
         self.evictions = 0
         self.late_gradients = 0
         self.staleness_sum = 0
-        self.staleness_count = 0
+        """Updates between each batch's forward and its SG fit, summed over the fits (their count: ``sg.steps``)."""
         self.forwards = 0
         self.forward_seconds = 0.0
         self._sg_seen = 0
@@ -777,7 +776,6 @@ class LayerGroup(Actor):
         if entry.h_in is None:  # DNI: the gradient is the SG model's target
             assert self.sg is not None
             self.staleness_sum += self.steps - entry.at_step
-            self.staleness_count += 1
             rows = self.settings.sg_fit_rows or None
             await self.run_blocking(self.sg.fit, entry.h_out[:rows], entry.labels[:rows], msg.gradient[:rows])
             self._trace("sg_step", b)
