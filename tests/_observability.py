@@ -99,6 +99,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 from dniasync import ActorSystem
 from dniasync.metrics import NodeMetrics
+from dniasync.node import mount_metrics
 from dniasync.remote import WebSocketTransport
 from dniasync.runtime import run
 from dniasync.train.dni import DNISettings
@@ -113,7 +114,7 @@ async def main() -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     async with ActorSystem() as system:
         transport = WebSocketTransport(system)
-        NodeMetrics(system, "dni", transport).mount(transport.app)
+        mount_metrics(transport.app, NodeMetrics(system, "dni", transport))
         async with transport:
             groups = await spawn_layer_groups(system, model, [[0, 1], [2, 3], [4]], DNISettings(mode="dni"), 64,
                                               mailbox_size=40)

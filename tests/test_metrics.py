@@ -15,7 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dniasync import Actor, ActorSystem, handler, message
-from dniasync.metrics import METRICS, NodeMetrics
+from dniasync.metrics import NodeMetrics
+from dniasync.node import metric_catalogue, mount_metrics
 from dniasync.remote import WebSocketTransport
 from dniasync.train.messages import Params, Pull, Push
 from dniasync.train.ps import PSShard, ShardSettings
@@ -54,10 +55,10 @@ class Fragile(Actor):
 
 
 def test_every_metric_is_named_by_the_convention() -> None:
-    names = [m.name for m in METRICS]
+    names = [m.name for m in metric_catalogue()]
     assert len(names) == len(set(names)), "a metric is defined twice"
     assert len(names) >= 40
-    for m in METRICS:
+    for m in metric_catalogue():
         assert NAME.match(m.name), m.name
         assert m.name.endswith("_total") == (m.kind == "counter"), m.name
         assert set(m.labels) <= ALLOWED_LABELS, (m.name, m.labels)
@@ -68,10 +69,9 @@ def test_every_metric_is_named_by_the_convention() -> None:
 async def test_metrics_endpoint_serves_what_the_runtime_counted(tmp_path: Path) -> None:
     async with ActorSystem() as ps_system, ActorSystem() as worker_system:
         ps_node = WebSocketTransport(ps_system)
-        ps_metrics = NodeMetrics(ps_system, "ps", ps_node)
-        ps_metrics.mount(ps_node.app)
+        mount_metrics(ps_node.app, NodeMetrics(ps_system, "ps", ps_node))
         worker_node = WebSocketTransport(worker_system)
-        NodeMetrics(worker_system, "worker", worker_node).mount(worker_node.app)
+        mount_metrics(worker_node.app, NodeMetrics(worker_system, "worker", worker_node))
         async with ps_node, worker_node:
             shard = await ps_system.spawn(PSShard, 3, np.zeros(8, np.float32), ShardSettings(lr=0.1), name="ps-3")
             fragile = await ps_system.spawn(Fragile, name="fragile")
@@ -144,5 +144,5 @@ def test_prometheus_config_is_valid() -> None:
 
 def test_readme_lists_every_metric() -> None:
     readme = (ROOT / "README.md").read_text()
-    missing = [m.name for m in METRICS if f"`{m.name}`" not in readme]
+    missing = [m.name for m in metric_catalogue() if f"`{m.name}`" not in readme]
     assert not missing, f"README.md does not list {missing}"

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _core, metrics
+from .. import _core
 from ..actors import Actor, ActorError, ActorNotFound, ActorRef, handler, message
 from ..train.data import DataCursor
 from ..train.flat import FlatModel, evaluate, flatten_parameters, split_ranges
@@ -49,6 +49,7 @@ from ..train.replica import HOGWILD_SEGMENT, TrainPlan, load_split
 from ..train.staleness import StalenessPolicy
 from .config import Config, DownpourConfig
 from .report import EVENT_REPLICA_FAILED, EVENT_REPLICA_JOINED, EVENT_SHARD_REASSIGNED, RunReport
+from .telemetry import track_trainer
 
 __all__ = ["COORDINATOR_NAME", "PSHost", "TrainingCoordinator", "record_ps_stats", "shard_settings", "train_plan"]
 
@@ -166,7 +167,7 @@ class TrainingCoordinator(Actor):
                                 target_accuracy=self.config.stop.target_accuracy, config=self.config.to_dict())
         if self.config.mode == "hogwild":
             self.state = "training-ready"
-        metrics.track_trainer(self.system, self)
+        track_trainer(self.system, self)
         self._schedule_tick()
 
     def _setup(self) -> None:

@@ -35,7 +35,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import metrics
 from ..actors import Actor, ActorError, ActorNotFound, ActorRef, Directive, handler, message
 from ..train.dni import DNISettings, GroupStats, LayerGroup, build_layer_groups, split_sequential
 from ..train.dni_replica import ReplicatedLayerGroup
@@ -58,6 +57,7 @@ from ..train.staleness import StalenessPolicy
 from .config import Config, parse_config
 from .coordinator import record_ps_stats, train_plan
 from .report import RunReport
+from .telemetry import track_trainer
 
 __all__ = [
     "EVENT_GROUP_FAILED",
@@ -206,7 +206,7 @@ class DNIJob(Actor):
         await self.run_blocking(self._setup)
         self.report = RunReport(self.config.job.name, self.config.mode,
                                 target_accuracy=self.config.stop.target_accuracy, config=self.config.to_dict())
-        metrics.track_trainer(self.system, self)
+        track_trainer(self.system, self)
 
     def _setup(self) -> None:
         torch.set_num_threads(1)

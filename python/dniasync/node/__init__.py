@@ -29,6 +29,7 @@ from ._roles import (
     RoleStarter,
     register_role,
 )
+from ._metrics import metric_catalogue, mount_metrics
 from .cli import main
 
 __all__ = [
@@ -52,5 +53,7 @@ __all__ = [
     "NodeStatusReply",
     "RoleStarter",
     "main",
+    "metric_catalogue",
+    "mount_metrics",
     "register_role",
 ]

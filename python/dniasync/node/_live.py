@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from ..actors import ActorError
+from ..cluster.telemetry import TRAINERS
 from ..metrics import NodeMetrics
 from ..remote import WebSocketTransport, is_loopback, parse_hostport
 from ..train.messages import ShardStats
@@ -73,7 +74,7 @@ class LivePage:
         from ..cluster.coordinator import TrainingCoordinator  # only the coordinator node needs torch
         from ..cluster.dni_job import DNIJob
 
-        for trainer in self.metrics.trainers():
+        for trainer in self.metrics.tracked(TRAINERS):
             if isinstance(trainer, TrainingCoordinator | DNIJob):
                 return trainer
         return None

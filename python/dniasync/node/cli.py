@@ -19,6 +19,7 @@ from ._membership import COORDINATOR, Join, Leave, join_cluster
 from . import _training  # noqa: F401  (registers the training side of the roles)
 from ._live import LivePage
 from ._local import run_local
+from ._metrics import mount_metrics
 from ._roles import NEEDS_JOIN, NODE_INFO, ROLES, NodeContext, NodeInfo, load_actor_class
 
 __all__ = ["build_parser", "main"]
@@ -218,7 +219,7 @@ async def run_node(options: dict[str, Any]) -> int:
             settings=options["settings"],
         )
         node_metrics = NodeMetrics(system, role, transport)
-        node_metrics.mount(transport.app)
+        mount_metrics(transport.app, node_metrics)
         live = LivePage(transport, node_metrics) if role == "coordinator" else None
         if live is not None:
             live.mount(transport.app)

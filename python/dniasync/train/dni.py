@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import metrics
 from ..actors import Actor, ActorRef, ActorStopped, handler, message
+from .telemetry import track_layer_group
 
 __all__ = [
     "Connect",
@@ -639,7 +639,7 @@ class LayerGroup(Actor):
         return True
 
     async def on_start(self) -> None:
-        metrics.track_layer_group(self.system, self)
+        track_layer_group(self.system, self)
 
     async def on_failure(self, exc: BaseException) -> None:
         self._report_down(self.ref.address, f"failed: {exc!r}")

@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import _core, metrics
+from .. import _core
 from ..actors import Actor, handler
 from .compression import Codec, CompressedTensor, make_codec
 from .messages import Fence, Params, Pull, Push, ShardStats
 from .staleness import PushLedger, PushVerdict, StalenessPolicy
+from .telemetry import track_ps_shard
 
 __all__ = ["PSShard", "ShardSettings", "make_store", "SEGMENT"]
 
@@ -87,7 +88,7 @@ class PSShard(Actor):
         self.pulls = 0
 
     async def on_start(self) -> None:
-        metrics.track_ps_shard(self.system, self, STALENESS_BUCKETS)
+        track_ps_shard(self.system, self, STALENESS_BUCKETS)
 
     @property
     def version(self) -> int:

@@ -25,13 +25,14 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from .. import _core, metrics
+from .. import _core
 from ..actors import Actor, ActorError, ActorNotFound, ActorRef, handler, message
 from .compression import Codec, make_codec
 from .data import DataCursor, ShardPlan, load_dataset, split
 from .flat import FlatModel
 from .messages import Assignment, NoJob, Params, Progress, Pull, Push, RegisterReplica, Shards, StopTraining
 from .models import build_model
+from .telemetry import track_replica
 
 __all__ = ["HOGWILD_SEGMENT", "Replica", "TrainPlan", "load_split"]
 
@@ -133,7 +134,7 @@ class Replica(Actor):
 
     async def on_start(self) -> None:
         self.coordinator: ActorRef = self.system.ref(self.coordinator_address)
-        metrics.track_replica(self.system, self)
+        track_replica(self.system, self)
         self.ref.tell_nowait(_Begin())
 
     @property

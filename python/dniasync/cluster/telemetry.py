@@ -1,0 +1,87 @@
+"""Metric families of the job (held-out evaluation, throughput, replicas) and the trainer collector.
+
+The job runner registers itself once it starts (a no-op on a node without
+metrics); its snapshot is read at scrape time. The state types are structural
+so this module imports no training code (nor torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Final, Protocol
+
+from prometheus_client.metrics_core import Metric
+
+from ..actors import ActorRef, ActorSystem
+from ..metrics import Families, Tracker, track
+
+__all__ = ["FAMILIES", "TRAINERS", "JobSnapshot", "TrainerState", "track_trainer"]
+
+FAMILIES = Families()
+TRAIN_ACCURACY = FAMILIES.gauge("dniasync_train_eval_accuracy_ratio", "Held-out accuracy at the last evaluation.")
+TRAIN_LOSS = FAMILIES.gauge("dniasync_train_eval_loss", "Held-out cross-entropy loss at the last evaluation.")
+TRAIN_EVALS = FAMILIES.counter("dniasync_train_evaluations_total", "Held-out evaluations run by the coordinator.")
+TRAIN_SAMPLES = FAMILIES.counter("dniasync_train_samples_total", "Training samples processed by all replicas.")
+TRAIN_SAMPLES_RATE = FAMILIES.gauge("dniasync_train_samples_per_second",
+                                    "Cluster training throughput between the last two evaluations.")
+TRAIN_EPOCHS = FAMILIES.gauge("dniasync_train_epochs", "Epochs of training data processed so far.")
+TRAIN_WALL = FAMILIES.gauge("dniasync_train_wall_seconds", "Seconds since the job started training.")
+TRAIN_REPLICAS_ALIVE = FAMILIES.gauge("dniasync_train_replicas_alive", "Replicas the coordinator considers alive.")
+TRAIN_REPLICAS_DEAD = FAMILIES.gauge("dniasync_train_replicas_dead", "Replicas the coordinator declared dead.")
+TRAIN_FINISHED = FAMILIES.gauge("dniasync_train_finished", "1 once the job has finished, else 0.")
+
+
+class JobSnapshot(Protocol):
+    @property
+    def state(self) -> str: ...
+    @property
+    def wall_s(self) -> float: ...
+    @property
+    def samples(self) -> int: ...
+    @property
+    def epochs(self) -> float: ...
+    @property
+    def accuracy(self) -> float | None: ...
+    @property
+    def loss(self) -> float | None: ...
+    @property
+    def samples_per_s(self) -> float: ...
+    @property
+    def replicas(self) -> dict[str, str]: ...
+
+
+class TrainerState(Protocol):
+    @property
+    def ref(self) -> ActorRef: ...
+
+    def snapshot(self) -> JobSnapshot: ...
+
+    @property
+    def evaluations(self) -> int: ...
+
+
+def _collect_trainers(system: ActorSystem, trainers: Sequence[TrainerState]) -> Iterator[Metric]:
+    snaps = [(t.snapshot(), t.evaluations) for t in trainers]
+    accuracy = [s.accuracy for s, _ in snaps if s.accuracy is not None]
+    loss = [s.loss for s, _ in snaps if s.loss is not None]
+    if accuracy:
+        yield TRAIN_ACCURACY.single(accuracy[0])
+    if loss:
+        yield TRAIN_LOSS.single(loss[0])
+    yield TRAIN_EVALS.single(sum(n for _, n in snaps))
+    yield TRAIN_SAMPLES.single(sum(s.samples for s, _ in snaps))
+    yield TRAIN_SAMPLES_RATE.single(sum(s.samples_per_s for s, _ in snaps))
+    yield TRAIN_EPOCHS.single(max(s.epochs for s, _ in snaps))
+    yield TRAIN_WALL.single(max(s.wall_s for s, _ in snaps))
+    statuses = [st for s, _ in snaps for st in s.replicas.values()]
+    yield TRAIN_REPLICAS_ALIVE.single(statuses.count("alive"))
+    yield TRAIN_REPLICAS_DEAD.single(len(statuses) - statuses.count("alive"))
+    yield TRAIN_FINISHED.single(int(all(s.state == "finished" for s, _ in snaps)))
+
+
+TRAINERS: Final[Tracker[TrainerState]] = Tracker("trainers", _collect_trainers)
+
+
+def track_trainer(system: ActorSystem, trainer: TrainerState) -> None:
+    """Export the job's figures from the node ``system`` runs on (no-op without metrics)."""
+    track(system, TRAINERS, trainer.ref, trainer)

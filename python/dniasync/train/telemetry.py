@@ -1,0 +1,210 @@
+"""Metric families of the training actors (replicas, PS shards, layer groups) and their collectors.
+
+An actor registers itself once it starts (a no-op on a node without metrics);
+the collectors read the counters it keeps anyway, at scrape time. The state
+types are structural so this module imports no training code (nor torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Final, Protocol
+
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric, SummaryMetricFamily
+
+from ..actors import ActorRef, ActorSystem
+from ..metrics import Families, Tracker, add_sample, cumulative_buckets, track
+
+__all__ = [
+    "FAMILIES",
+    "LAYER_GROUPS",
+    "PS_REJECT_REASONS",
+    "PS_SHARDS",
+    "REPLICAS",
+    "LayerGroupState",
+    "PSShardState",
+    "ReplicaState",
+    "track_layer_group",
+    "track_ps_shard",
+    "track_replica",
+]
+
+FAMILIES = Families()
+# -- replicas -------------------------------------------------------------------------
+REPLICA_STEPS = FAMILIES.counter("dniasync_replica_steps_total", "Optimizer steps (mini-batches) run by replicas.")
+REPLICA_SAMPLES = FAMILIES.counter("dniasync_replica_samples_total", "Training samples processed by replicas.")
+REPLICA_PUSHES = FAMILIES.counter("dniasync_replica_pushes_total", "Gradient pushes sent to the PS shards.")
+REPLICA_PULLS = FAMILIES.counter("dniasync_replica_pulls_total", "Parameter pulls from PS shards.")
+REPLICA_BYTES = FAMILIES.counter("dniasync_replica_bytes_total",
+                                 "Payload bytes of gradients pushed and parameters pulled (direction: push, pull).",
+                                 "direction")
+REPLICA_DENSE_BYTES = FAMILIES.counter("dniasync_replica_push_dense_bytes_total",
+                                       "Bytes the pushed gradients would take as dense float32 (before compression).")
+REPLICA_COMPRESSION = FAMILIES.gauge("dniasync_replica_compression_ratio",
+                                     "Dense float32 gradient bytes per byte pushed, since start (1 = uncompressed).")
+REPLICA_LOSS = FAMILIES.gauge("dniasync_replica_loss", "Mean training loss of recent mini-batches.")
+# -- parameter-server shards ------------------------------------------------------------
+PS_APPLIED = FAMILIES.counter("dniasync_ps_updates_applied_total", "Pushes applied by a PS shard.", "shard")
+PS_REJECTED = FAMILIES.counter(
+    "dniasync_ps_updates_rejected_total",
+    "Pushes rejected by a PS shard, by reason (stale, duplicate, zombie, nonfinite, bad_payload).", "shard", "reason")
+PS_PULLS = FAMILIES.counter("dniasync_ps_pulls_total", "Pulls answered by a PS shard.", "shard")
+PS_VERSION = FAMILIES.gauge("dniasync_ps_version", "Parameter version of a PS shard (bumped per applied update).",
+                            "shard")
+PS_PARAMETERS = FAMILIES.gauge("dniasync_ps_parameters", "Parameters held by a PS shard.", "shard")
+PS_SAMPLES = FAMILIES.counter("dniasync_ps_samples_total", "Training samples behind the pushes a shard applied.",
+                              "shard")
+PS_BYTES = FAMILIES.counter(
+    "dniasync_ps_bytes_total",
+    "Payload bytes a PS shard received in pushes and sent in pulls (direction: received, sent).", "shard", "direction")
+PS_STALENESS = FAMILIES.histogram(
+    "dniasync_ps_staleness_versions",
+    "Staleness of pushes: shard version now minus the version the gradient was computed on.", "shard")
+# -- layer groups (DNI and pipeline stages) ----------------------------------------------
+DNI_STEPS = FAMILIES.counter("dniasync_dni_group_steps_total", "Optimizer steps of a layer group.", "group")
+DNI_STEP_TIME = FAMILIES.summary("dniasync_dni_group_step_seconds",
+                                 "Time a layer group spends on one forward message (forward, update, sends).", "group")
+DNI_SG_LOSS = FAMILIES.gauge("dniasync_dni_sg_loss",
+                             "Latest regression loss of a group's synthetic-gradient model.", "group")
+DNI_SG_STEPS = FAMILIES.counter("dniasync_dni_sg_steps_total",
+                                "Training steps of a group's synthetic-gradient model.", "group")
+DNI_QUEUE = FAMILIES.gauge("dniasync_dni_group_queue_messages", "Messages waiting in a layer group's mailbox.",
+                           "group")
+DNI_EVICTIONS = FAMILIES.counter("dniasync_dni_group_evictions_total",
+                                 "Batches a layer group evicted before their gradient came back.", "group")
+DNI_LATE = FAMILIES.counter("dniasync_dni_group_late_gradients_total",
+                            "Gradients that arrived after their batch was evicted.", "group")
+DNI_SG_STALENESS = FAMILIES.summary(
+    "dniasync_dni_sg_staleness_updates",
+    "Updates a layer group made between a batch's forward and the SG fit on its true gradient.", "group")
+
+PS_REJECT_REASONS: Final = ("stale", "duplicate", "zombie", "nonfinite", "bad_payload")
+
+
+class ReplicaState(Protocol):
+    @property
+    def ref(self) -> ActorRef: ...
+
+    steps: int
+    samples: int
+    pushes: int
+    pulls: int
+    bytes_pushed: int
+    bytes_pulled: int
+    dense_bytes_pushed: int
+
+    @property
+    def loss(self) -> float: ...
+
+
+class PSShardState(Protocol):
+    @property
+    def ref(self) -> ActorRef: ...
+
+    shard: int
+    n: int
+    applied: int
+    pulls: int
+    samples: int
+    rejected: dict[str, int]
+    staleness_counts: list[int]
+    staleness_sum: int
+    bytes_in: int
+    bytes_out: int
+
+    @property
+    def version(self) -> int: ...
+
+
+class LayerGroupState(Protocol):
+    steps: int
+    evictions: int
+    late_gradients: int
+    staleness_sum: int
+    forward_seconds: float
+    forwards: int
+    sg: Any  # None, or the SG model: ``steps`` and ``losses`` (a bounded deque appended from a worker thread)
+
+    @property
+    def ref(self) -> ActorRef: ...
+
+
+def _collect_replicas(system: ActorSystem, reps: Sequence[ReplicaState]) -> Iterator[Metric]:
+    pushed = sum(r.bytes_pushed for r in reps)
+    dense = sum(r.dense_bytes_pushed for r in reps)
+    yield REPLICA_STEPS.single(sum(r.steps for r in reps))
+    yield REPLICA_SAMPLES.single(sum(r.samples for r in reps))
+    yield REPLICA_PUSHES.single(sum(r.pushes for r in reps))
+    yield REPLICA_PULLS.single(sum(r.pulls for r in reps))
+    yield REPLICA_BYTES.labelled([(("push",), pushed), (("pull",), sum(r.bytes_pulled for r in reps))])
+    yield REPLICA_DENSE_BYTES.single(dense)
+    if pushed:  # Hogwild workers push nothing: no ratio to report
+        yield REPLICA_COMPRESSION.single(dense / pushed)
+    losses = [r.loss for r in reps if r.loss == r.loss]  # NaN until the first report
+    if losses:
+        yield REPLICA_LOSS.single(sum(losses) / len(losses))
+
+
+def _collect_ps_shards(system: ActorSystem,
+                       shards: Sequence[tuple[PSShardState, tuple[int, ...]]]) -> Iterator[Metric]:
+    families = {d: d.family() for d in (PS_APPLIED, PS_REJECTED, PS_PULLS, PS_VERSION, PS_PARAMETERS,
+                                         PS_SAMPLES, PS_BYTES, PS_STALENESS)}
+    for shard, buckets in shards:
+        label = str(shard.shard)
+        add_sample(families[PS_APPLIED], [label], shard.applied)
+        for reason in PS_REJECT_REASONS:
+            add_sample(families[PS_REJECTED], [label, reason], shard.rejected.get(reason, 0))
+        add_sample(families[PS_PULLS], [label], shard.pulls)
+        add_sample(families[PS_VERSION], [label], shard.version)
+        add_sample(families[PS_PARAMETERS], [label], shard.n)
+        add_sample(families[PS_SAMPLES], [label], shard.samples)
+        add_sample(families[PS_BYTES], [label, "received"], shard.bytes_in)
+        add_sample(families[PS_BYTES], [label, "sent"], shard.bytes_out)
+        hist = families[PS_STALENESS]
+        assert isinstance(hist, HistogramMetricFamily)
+        hist.add_metric([label], cumulative_buckets(buckets, shard.staleness_counts), shard.staleness_sum)
+    yield from families.values()
+
+
+def _collect_layer_groups(system: ActorSystem, groups: Sequence[LayerGroupState]) -> Iterator[Metric]:
+    families = {d: d.family() for d in (DNI_STEPS, DNI_STEP_TIME, DNI_SG_LOSS, DNI_SG_STEPS, DNI_QUEUE,
+                                         DNI_EVICTIONS, DNI_LATE, DNI_SG_STALENESS)}
+    step_time = families[DNI_STEP_TIME]
+    staleness = families[DNI_SG_STALENESS]
+    assert isinstance(step_time, SummaryMetricFamily) and isinstance(staleness, SummaryMetricFamily)
+    for group in groups:
+        label = [group.ref.name]
+        add_sample(families[DNI_STEPS], label, group.steps)
+        step_time.add_metric(label, group.forwards, group.forward_seconds)
+        add_sample(families[DNI_QUEUE], label, system.mailbox_depth(group.ref))
+        add_sample(families[DNI_EVICTIONS], label, group.evictions)
+        add_sample(families[DNI_LATE], label, group.late_gradients)
+        sg = group.sg
+        if sg is not None:
+            add_sample(families[DNI_SG_STEPS], label, sg.steps)
+            staleness.add_metric(label, sg.steps, group.staleness_sum)
+            try:
+                add_sample(families[DNI_SG_LOSS], label, float(sg.losses[-1]))
+            except IndexError:  # not trained yet
+                pass
+    yield from families.values()
+
+
+REPLICAS: Final[Tracker[ReplicaState]] = Tracker("replicas", _collect_replicas)
+PS_SHARDS: Final[Tracker[tuple[PSShardState, tuple[int, ...]]]] = Tracker("ps_shards", _collect_ps_shards)
+LAYER_GROUPS: Final[Tracker[LayerGroupState]] = Tracker("layer_groups", _collect_layer_groups)
+
+
+def track_replica(system: ActorSystem, replica: ReplicaState) -> None:
+    """Export ``replica``'s counters from the node ``system`` runs on (no-op without metrics)."""
+    track(system, REPLICAS, replica.ref, replica)
+
+
+def track_ps_shard(system: ActorSystem, shard: PSShardState, buckets: Sequence[int]) -> None:
+    """``buckets``: upper bounds of ``shard.staleness_counts`` (one more count: the open bucket)."""
+    track(system, PS_SHARDS, shard.ref, (shard, tuple(buckets)))
+
+
+def track_layer_group(system: ActorSystem, group: LayerGroupState) -> None:
+    """Export a layer group's (or pipeline stage's) counters from the node ``system`` runs on."""
+    track(system, LAYER_GROUPS, group.ref, group)
