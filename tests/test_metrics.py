@@ -129,6 +129,21 @@ async def test_metrics_endpoint_serves_what_the_runtime_counted(tmp_path: Path) 
         assert done.returncode == 0, done.stdout + done.stderr
 
 
+async def test_a_stopped_actor_leaves_the_exposition() -> None:
+    async with ActorSystem() as system:
+        node = NodeMetrics(system, "ps")
+        shard = await system.spawn(PSShard, 5, np.zeros(4, np.float32), ShardSettings(lr=0.1), name="ps-5")
+        assert ("dniasync_ps_parameters", (("shard", "5"),)) in samples(node.exposition().decode())
+        await system.stop(shard)
+        for _ in range(200):
+            if not shard.is_alive:
+                break
+            await asyncio.sleep(0.01)
+        after = samples(node.exposition().decode())
+    assert not [k for k in after if k[0].startswith("dniasync_ps_")]
+    assert after[("dniasync_actor_stops_total", ())] == 1
+
+
 async def test_a_system_gets_metrics_attached_once() -> None:
     async with ActorSystem() as system:
         NodeMetrics(system, "worker")

@@ -79,10 +79,7 @@ class Families:
         return defn
 
     def __iter__(self) -> Iterator[MetricDef]:
-        return iter(tuple(self._defs))
-
-    def __len__(self) -> int:
-        return len(self._defs)
+        return iter(self._defs)
 
 
 def add_sample(family: Metric, labels: list[str], value: float) -> None:
