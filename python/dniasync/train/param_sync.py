@@ -1,0 +1,346 @@
+"""How a trainer's parameters are stepped: a local torch optimizer, or push and pull to PS shards.
+
+Shared by Downpour replicas and replicated pipeline stages. :class:`ShardLink`
+is the push/pull client of one flat parameter vector cut into PS shards: it
+pulls every shard into a local buffer (recording each shard's version), and
+pushes an accumulated gradient to every shard, compressed by a codec of its
+own (its residual stays here), as idempotent
+``Push(replica, incarnation, seq, version, ...)`` messages. A shard that fails
+is retried with exponential backoff (0.05 s doubling to 2 s), so a dead shard
+costs a few attempts per second, and its warnings are collapsed into one log
+line per interval with a count.
+
+A pipeline stage steps its layers through a :class:`ParamSync`:
+:class:`LocalOptimizer` (one replica: torch's Adam or SGD) or :class:`PSParams`
+(replicas share the weights through PS shards, pulled every ``n_fetch`` steps,
+the gradient pushed every ``n_push``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..actors import ActorError, ActorRef
+from .compression import CodecName, make_codec
+from .flat import FlatModel, flatten_parameters, split_ranges
+from .messages import Params, Pull, Push
+
+__all__ = [
+    "Backoff",
+    "CollapsedWarnings",
+    "LocalOptimizer",
+    "PSParams",
+    "ParamSync",
+    "ShardLink",
+    "make_optimizer",
+]
+
+log = logging.getLogger("dniasync.train.param_sync")
+
+Clock = Callable[[], float]
+
+
+def make_optimizer(params: list[nn.Parameter], kind: str, lr: float, *, fused: bool = False) -> torch.optim.Optimizer:
+    """torch's Adam or SGD; ``fused``: its single-kernel Adam (same update, less time on small models)."""
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=lr, fused=fused or None)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    raise ValueError(f"optimizer must be 'adam' or 'sgd', got {kind!r}")
+
+
+class Backoff:
+    """Exponential backoff: after a failure wait ``initial_s``, doubling per failure up to ``max_s``."""
+
+    def __init__(self, initial_s: float = 0.05, max_s: float = 2.0, clock: Clock = time.monotonic) -> None:
+        self.initial_s = initial_s
+        self.max_s = max_s
+        self._clock = clock
+        self._delay = initial_s
+        self._next_try = -math.inf
+
+    def ready(self) -> bool:
+        """Whether the next attempt may go now."""
+        return self._clock() >= self._next_try
+
+    def failed(self) -> float:
+        """Record a failure; returns the seconds until the next attempt."""
+        delay = self._delay
+        self._next_try = self._clock() + delay
+        self._delay = min(2 * delay, self.max_s)
+        return delay
+
+    def succeeded(self) -> None:
+        self._delay = self.initial_s
+        self._next_try = -math.inf
+
+
+@dataclass
+class _Run:
+    """A run of failures of one operation: when it was last logged and how many were held back."""
+
+    logged_at: float
+    held: int = 0
+    total: int = 1
+
+
+class CollapsedWarnings:
+    """One log line per run of failures: the first at once, then at most one per ``every_s`` with a count."""
+
+    def __init__(self, logger: logging.Logger, *, every_s: float = 10.0, clock: Clock = time.monotonic) -> None:
+        self.logger = logger
+        self.every_s = every_s
+        self._clock = clock
+        self._runs: dict[str, _Run] = {}
+
+    def failed(self, what: str, detail: str) -> None:
+        """``what`` failed (again) with ``detail``."""
+        now = self._clock()
+        run = self._runs.get(what)
+        if run is None:
+            self._runs[what] = _Run(logged_at=now)
+            self.logger.warning("%s failed: %s", what, detail)
+            return
+        run.total += 1
+        run.held += 1
+        if now - run.logged_at >= self.every_s:
+            self.logger.warning("%s failed %d more times in %.0f s, last: %s", what, run.held, now - run.logged_at,
+                                detail)
+            run.logged_at, run.held = now, 0
+
+    def recovered(self, what: str) -> None:
+        """``what`` worked: end its run of failures (logged if there was one)."""
+        run = self._runs.pop(what, None)
+        if run is not None:
+            self.logger.info("%s works again after %d failures", what, run.total)
+
+
+class ShardLink:
+    """Pulls and pushes one flat parameter vector cut into PS shards.
+
+    ``ranges[i] = (offset, length)`` is the slice of ``buffer`` shard
+    ``shards[i]`` holds. Counters: ``pulls`` (one per shard answered),
+    ``pushes`` (one per :meth:`push`), ``bytes_pulled``, ``bytes_pushed``
+    (payloads sent) and ``dense_bytes_pushed`` (what they would take as float32).
+    """
+
+    def __init__(
+        self,
+        buffer: np.ndarray,
+        ranges: Sequence[tuple[int, int]],
+        shards: Sequence[ActorRef],
+        *,
+        replica: str,
+        incarnation: int,
+        codec: CodecName = "none",
+        tau: float = 1e-3,
+        block: int = 256,
+        ask_timeout_s: float = 10.0,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        if len(ranges) != len(shards):
+            raise ValueError(f"{len(shards)} PS shards for {len(ranges)} parameter ranges")
+        self.buffer = buffer
+        self.ranges = list(ranges)
+        self.shards = list(shards)
+        self.replica = replica
+        self.incarnation = incarnation
+        self.ask_timeout_s = ask_timeout_s
+        self.codecs = [make_codec(codec, length, tau=tau, block=block) for _, length in self.ranges]
+        self.versions = [0] * len(self.shards)
+        self.seq = 0
+        self.pushes = 0
+        self.pulls = 0
+        self.bytes_pushed = 0
+        self.bytes_pulled = 0
+        self.dense_bytes_pushed = 0
+        self._backoff = [Backoff(clock=clock) for _ in self.shards]
+        self._warnings = CollapsedWarnings(log, clock=clock)
+
+    def _failed(self, i: int, what: str, exc: ActorError) -> None:
+        delay = self._backoff[i].failed()
+        self._warnings.failed(what, f"{exc} (next attempt in {delay:g} s)")
+
+    def _succeeded(self, i: int, what: str) -> None:
+        self._backoff[i].succeeded()
+        self._warnings.recovered(what)
+
+    async def pull(self) -> bool:
+        """Pull every shard not backing off into the buffer; True if every shard answered."""
+        answered = await asyncio.gather(*(self._pull_one(i) for i in range(len(self.shards))))
+        return all(answered)
+
+    async def _pull_one(self, i: int) -> bool:
+        if not self._backoff[i].ready():
+            return False
+        what = f"replica {self.replica}: pull from shard {i}"
+        try:
+            reply = await self.shards[i].ask(Pull(), timeout=self.ask_timeout_s)
+        except ActorError as exc:
+            self._failed(i, what, exc)
+            return False
+        if not isinstance(reply, Params):
+            raise TypeError(f"shard {i} answered a pull with {type(reply).__name__}")
+        self._succeeded(i, what)
+        offset, length = self.ranges[i]
+        np.copyto(self.buffer[offset:offset + length], reply.values)  # the model's parameters are views of it
+        self.versions[i] = int(reply.version)
+        self.bytes_pulled += int(reply.values.nbytes)
+        self.pulls += 1
+        return True
+
+    async def push(self, grad: np.ndarray, samples: int) -> None:
+        """Push ``grad`` (the whole flat vector) to every shard; a shard backing off misses this one."""
+        self.seq += 1
+        for i, (offset, length) in enumerate(self.ranges):
+            if not self._backoff[i].ready():
+                continue
+            compressed = self.codecs[i].compress(grad[offset:offset + length])
+            push = Push(self.replica, self.incarnation, self.seq, self.versions[i], compressed.codec,
+                        compressed.payload, samples)
+            what = f"replica {self.replica}: push to shard {i}"
+            try:
+                await self.shards[i].tell(push)
+            except ActorError as exc:
+                self._failed(i, what, exc)
+                continue
+            self._succeeded(i, what)
+            self.bytes_pushed += compressed.nbytes
+            self.dense_bytes_pushed += 4 * length
+        self.pushes += 1
+
+
+class ParamSync(Protocol):
+    """Steps a stage's parameters. ``zero_grad`` and ``step`` run on worker threads, the rest on the loop."""
+
+    @property
+    def bytes_pushed(self) -> int: ...
+
+    @property
+    def bytes_pulled(self) -> int: ...
+
+    def zero_grad(self) -> None: ...
+
+    def step(self) -> None:
+        """Apply (or set aside for the PS) the gradients in the parameters' ``.grad``."""
+
+    async def ready(self) -> None:
+        """Before a batch trains: the weights are the shared ones (a replica pulls once)."""
+
+    async def sync(self) -> None:
+        """After a message: push and pull as the steps taken since the last call require."""
+
+
+class LocalOptimizer:
+    """The stage's own torch optimizer (Adam or SGD): nothing to push or pull."""
+
+    bytes_pushed = 0
+    bytes_pulled = 0
+
+    def __init__(self, params: Iterable[nn.Parameter], kind: str, lr: float) -> None:
+        self.optimizer = make_optimizer(list(params), kind, lr)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    async def ready(self) -> None:
+        return
+
+    async def sync(self) -> None:
+        return
+
+
+class PSParams:
+    """A replicated stage's parameters, shared with its other replicas through PS shards.
+
+    The layers' parameters become views of one flat buffer that pulls fill; a
+    step adds the gradients to an accumulator instead of applying them (the
+    shards run the optimizer). Every ``n_push`` steps the accumulator is
+    pushed, every ``n_fetch`` steps the shards are pulled; the first batch
+    waits for a first pull, so a replica never trains on weights the shards
+    have not seen (unless they cannot be reached: then it starts from its own,
+    built from the same factory and seed, and keeps retrying).
+    """
+
+    def __init__(
+        self,
+        layers: nn.Module,
+        shards: Sequence[ActorRef],
+        *,
+        replica: str,
+        n_fetch: int = 1,
+        n_push: int = 1,
+        incarnation: int | None = None,
+        codec: CodecName = "none",
+        ask_timeout_s: float = 30.0,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        if n_fetch < 1 or n_push < 1:
+            raise ValueError(f"n_fetch and n_push must be >= 1, got {n_fetch} and {n_push}")
+        buffer = flatten_parameters(layers)
+        self.flat = FlatModel(layers, buffer)
+        self.link = ShardLink(
+            buffer, split_ranges(self.flat.n, len(shards)), shards, replica=replica,
+            incarnation=incarnation if incarnation is not None else time.time_ns() // 1000, codec=codec,
+            ask_timeout_s=ask_timeout_s, clock=clock,
+        )
+        self.n_fetch = n_fetch
+        self.n_push = n_push
+        self.steps = 0
+        self._params = list(layers.parameters())
+        self._pending = 0
+        self._steps_synced = 0
+        self._since_fetch = 0
+        self._pulled = False
+
+    @property
+    def bytes_pushed(self) -> int:
+        return self.link.bytes_pushed
+
+    @property
+    def bytes_pulled(self) -> int:
+        return self.link.bytes_pulled
+
+    def zero_grad(self) -> None:
+        for p in self._params:
+            p.grad = None
+
+    def step(self) -> None:
+        self.flat.accumulate_grad()
+        self._pending += 1
+        self.steps += 1
+
+    async def _pull(self) -> None:
+        if await self.link.pull():
+            self._pulled = True
+            self._since_fetch = 0
+
+    async def ready(self) -> None:
+        if not self._pulled:
+            await self._pull()
+
+    async def sync(self) -> None:
+        new_steps = self.steps - self._steps_synced
+        self._steps_synced = self.steps
+        if not new_steps:
+            return
+        if self._pending >= self.n_push:
+            await self.link.push(self.flat.grad.numpy(), 0)
+            self.flat.grad.zero_()
+            self._pending = 0
+        self._since_fetch += new_steps
+        if self._since_fetch >= self.n_fetch:
+            await self._pull()

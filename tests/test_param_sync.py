@@ -1,0 +1,180 @@
+"""Parameter sync: push/pull to PS shards (counters, versions, idempotent pushes), backoff and collapsed warnings."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from dniasync import Actor, ActorSystem, handler
+from dniasync.actors import ActorRef, ActorUnreachable
+from dniasync.train.messages import Params, Pull, Push
+from dniasync.train.param_sync import Backoff, CollapsedWarnings, LocalOptimizer, PSParams, ShardLink
+
+
+class RecordingShard(Actor):
+    """A PS shard reduced to its wire contract: answers pulls with its values, keeps every push."""
+
+    mailbox_size = 0
+
+    def __init__(self, shard: int, values: np.ndarray) -> None:
+        self.shard = shard
+        self.values = values
+        self.version = 7 + shard
+        self.pushes: list[Push] = []
+
+    @handler
+    def pull(self, msg: Pull) -> Params:
+        return Params(self.shard, self.version, self.values.copy())
+
+    @handler
+    def push(self, msg: Push) -> None:
+        self.pushes.append(msg)
+
+    @handler
+    def received(self, msg: str) -> list[Push]:
+        return list(self.pushes)
+
+
+async def test_link_pulls_every_shard_and_pushes_each_its_slice_idempotently() -> None:
+    values = np.arange(10, dtype=np.float32)
+    async with ActorSystem() as system:
+        shards = [await system.spawn(RecordingShard, 0, values[:6].copy(), name="ps-0"),
+                  await system.spawn(RecordingShard, 1, values[6:].copy(), name="ps-1")]
+        buffer = np.zeros(10, dtype=np.float32)
+        link = ShardLink(buffer, [(0, 6), (6, 4)], shards, replica="r0", incarnation=42)
+        assert await link.pull()
+        np.testing.assert_array_equal(buffer, values)
+        assert link.versions == [7, 8] and link.pulls == 2 and link.bytes_pulled == 40
+        grad = np.linspace(-1, 1, 10, dtype=np.float32)
+        await link.push(grad, samples=32)
+        await link.push(grad, samples=32)
+        pushes = [await shard.ask("received") for shard in shards]
+    assert [[(p.replica, p.incarnation, p.seq, p.version, p.samples) for p in ps] for ps in pushes] == [
+        [("r0", 42, 1, 7, 32), ("r0", 42, 2, 7, 32)], [("r0", 42, 1, 8, 32), ("r0", 42, 2, 8, 32)]]
+    np.testing.assert_array_equal(pushes[1][0].payload.view(np.float32), grad[6:])
+    assert (link.pushes, link.bytes_pushed, link.dense_bytes_pushed) == (2, 80, 80)
+
+
+class DeadShard:
+    """A destination whose node is down until ``up`` is set; counts the attempts that reach it."""
+
+    def __init__(self) -> None:
+        self.up = False
+        self.attempts = 0
+
+    @property
+    def alive(self) -> bool:
+        return self.up
+
+    def ask(self, msg: Any, timeout: float | None) -> Coroutine[Any, Any, Any]:
+        return self._answer(msg)
+
+    async def _answer(self, msg: Any) -> Any:
+        self.attempts += 1
+        if not self.up:
+            raise ActorUnreachable("ps-0@10.9.9.9:7000", "node is down")
+        return Params(0, 3, np.ones(4, dtype=np.float32))
+
+    def tell(self, msg: Any) -> Coroutine[Any, Any, None]:
+        return self._answer(msg)
+
+    def tell_nowait(self, msg: Any) -> None:
+        raise AssertionError("the link never uses tell_nowait")
+
+
+async def test_dead_shard_is_retried_with_backoff_and_its_warnings_collapsed(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    dead = DeadShard()
+    buffer = np.zeros(4, dtype=np.float32)
+    link = ShardLink(buffer, [(0, 4)], [ActorRef("ps-0@10.9.9.9:7000", dead)], replica="r0", incarnation=1,
+                     clock=lambda: now[0])
+    caplog.set_level(logging.INFO, logger="dniasync.train.param_sync")
+    for ms in range(20_000):  # a replica asking every millisecond for 20 s
+        now[0] = ms / 1000
+        assert not await link.pull()
+        await link.push(np.ones(4, dtype=np.float32), samples=1)
+    # attempts at 0, 0.05, 0.15, 0.35, 0.75, 1.55, 3.15 s, then every 2 s: 5.15 ... 19.15
+    assert dead.attempts == 15
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith("replica r0: pull from shard 0 failed: ps-0@10.9.9.9:7000: node is down")
+    assert "failed 10 more times in 11 s" in warnings[1]  # the failures of 0.05 ... 11.15 s, in one line
+    assert link.pulls == link.bytes_pushed == 0 and link.pushes == 20_000
+
+    dead.up = True
+    now[0] = 21.2
+    assert await link.pull()
+    assert await link.pull()  # a success resets the backoff: no wait
+    assert dead.attempts == 17 and link.versions == [3]
+    np.testing.assert_array_equal(buffer, np.ones(4, dtype=np.float32))
+    assert caplog.records[-1].getMessage() == "replica r0: pull from shard 0 works again after 15 failures"
+
+
+def test_backoff_doubles_up_to_its_bound_and_resets_on_success() -> None:
+    now = [0.0]
+    backoff = Backoff(0.05, 2.0, clock=lambda: now[0])
+    delays = [backoff.failed() for _ in range(8)]
+    assert delays == [0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0]
+    assert not backoff.ready()
+    backoff.succeeded()
+    assert backoff.ready() and backoff.failed() == 0.05
+
+
+def test_collapsed_warnings_count_what_they_held_back(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    warnings = CollapsedWarnings(logging.getLogger("test.collapse"), every_s=5.0, clock=lambda: now[0])
+    caplog.set_level(logging.INFO, logger="test.collapse")
+    for i in range(200):  # 200 failures a second, for 6 s
+        now[0] = i * 0.03
+        warnings.failed("push to shard 1", f"attempt {i}")
+    warnings.failed("pull from shard 0", "timeout")  # another operation has its own run
+    warnings.recovered("push to shard 1")
+    warnings.recovered("push to shard 1")  # no run any more: nothing to say
+    assert [r.getMessage() for r in caplog.records] == [
+        "push to shard 1 failed: attempt 0",
+        "push to shard 1 failed 167 more times in 5 s, last: attempt 167",
+        "pull from shard 0 failed: timeout",
+        "push to shard 1 works again after 200 failures",
+    ]
+
+
+async def test_ps_params_accumulate_steps_and_push_every_n_push() -> None:
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(3, 2))
+    shard_values = np.full(8, 0.5, dtype=np.float32)
+    async with ActorSystem() as system:
+        shard = await system.spawn(RecordingShard, 0, shard_values, name="ps-0")
+        params = PSParams(layers, [shard], replica="g0", n_fetch=2, n_push=2, incarnation=5)
+        await params.ready()
+        assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in layers.parameters())  # weights from the shard
+        grads = []
+        for _ in range(3):
+            params.zero_grad()
+            layers(torch.ones(1, 3)).sum().backward()  # type: ignore[no-untyped-call]
+            grads.append(torch.cat([p.grad.reshape(-1) for p in layers.parameters() if p.grad is not None]))
+            params.step()
+            await params.sync()
+        pushes = await shard.ask("received")
+    assert [(p.replica, p.seq) for p in pushes] == [("g0", 1)]  # after step 2; step 3 waits for step 4
+    np.testing.assert_allclose(pushes[0].payload.view(np.float32), (grads[0] + grads[1]).numpy())
+    assert (params.bytes_pushed, params.bytes_pulled) == (32, 64)  # one push; the first pull and one after step 2
+
+
+def test_local_optimizer_steps_with_torch() -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(2, 1)
+    before = layer.weight.detach().clone()
+    opt = LocalOptimizer(layer.parameters(), "sgd", lr=0.5)
+    opt.zero_grad()
+    layer(torch.ones(1, 2)).sum().backward()  # type: ignore[no-untyped-call]
+    opt.step()
+    torch.testing.assert_close(layer.weight.detach(), before - 0.5)
+    assert (opt.bytes_pushed, opt.bytes_pulled) == (0, 0)
+    with pytest.raises(ValueError, match="'adam' or 'sgd'"):
+        LocalOptimizer(layer.parameters(), "adagrad", lr=0.1)
