@@ -102,8 +102,7 @@ from dniasync.metrics import NodeMetrics
 from dniasync.node import mount_metrics
 from dniasync.remote import WebSocketTransport
 from dniasync.runtime import run
-from dniasync.train.dni import DNISettings
-from dniasync.train.pipeline import PipelineDriver, spawn_layer_groups
+from dniasync.train.pipeline import PipelineDriver, Schedule, StageSettings, spawn_stages
 
 async def main() -> None:
     torch.set_num_threads(1)
@@ -116,10 +115,10 @@ async def main() -> None:
         transport = WebSocketTransport(system)
         mount_metrics(transport.app, NodeMetrics(system, "dni", transport))
         async with transport:
-            groups = await spawn_layer_groups(system, model, [[0, 1], [2, 3], [4]], DNISettings(mode="dni"), 64,
-                                              mailbox_size=40)
+            groups = await spawn_stages(system, model, [[0, 1], [2, 3], [4]], StageSettings(rule="dni"), 64,
+                                        mailbox_size=40)
             print("dni node listening on", transport.address, flush=True)
-            async with PipelineDriver(system, groups, mode="dni", max_in_flight=8) as driver:
+            async with PipelineDriver(system, groups, Schedule(max_in_flight=8)) as driver:
                 while True:
                     await driver.train(x, y, epochs=1, batch_size=32)
 

@@ -1,6 +1,6 @@
-"""Decoupled Neural Interfaces: synthetic gradients, layer-group actors, the pipeline driver.
+"""Pipelines: synthetic gradients, stage actors and their update rules, the pipeline driver.
 
-Everything runs in one ActorSystem with the groups talking only through refs
+Everything runs in one ActorSystem with the stages talking only through refs
 and wire messages, as they would across processes.
 """
 
@@ -15,32 +15,34 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from dniasync import Actor, ActorSystem, handler
-from dniasync.train.dni import (
+from dniasync.train.pipeline import (
     Connect,
-    DNISettings,
     Done,
     Forward,
     Gradient,
     GroupConfigError,
-    GroupDown,
-    LayerGroup,
     LossReport,
+    PipelineBroken,
+    PipelineDriver,
+    Schedule,
+    Stage,
+    StageDown,
+    StageSettings,
+    StageShape,
     StatsRequest,
     SyntheticGradient,
     Trace,
     TraceRequest,
-    build_layer_groups,
+    batch_order,
+    build_stages,
+    get_rule,
+    run_pipeline,
+    spawn_stages,
     split_sequential,
+    train_backprop,
     validate_groups,
 )
-from dniasync.train.pipeline import (
-    PipelineBroken,
-    PipelineDriver,
-    batch_order,
-    run_pipeline,
-    spawn_layer_groups,
-    train_backprop,
-)
+from dniasync.train.pipeline.rules import CDNIRule
 
 torch.set_num_threads(1)
 
@@ -131,7 +133,18 @@ def test_bad_group_configs_fail_naming_the_problem(groups: list[list[int]], prob
 async def test_bad_config_fails_at_start_before_any_group_runs() -> None:
     async with ActorSystem() as system:
         with pytest.raises(GroupConfigError, match="in no group"):
-            await spawn_layer_groups(system, mlp(), [[0, 1], [2, 3]], DNISettings(), 64)
+            await spawn_stages(system, mlp(), [[0, 1], [2, 3]], StageSettings(), 64)
+        assert system.actors() == []
+
+
+async def test_unknown_rule_is_rejected_listing_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="unknown update rule 'spectrain'; known rules: 'dni', 'cdni', 'sync'"):
+        get_rule("spectrain")
+    async with ActorSystem() as system:
+        with pytest.raises(ValueError, match="unknown update rule 'gpipe'"):
+            await spawn_stages(system, mlp(), GROUPS, StageSettings(rule="gpipe"), 64)
+        with pytest.raises(ValueError, match="synthetic inputs need the rule 'dni' or 'cdni'"):
+            await spawn_stages(system, mlp(), GROUPS, StageSettings(rule="sync", synthetic_inputs=True), 64)
         assert system.actors() == []
 
 
@@ -140,22 +153,23 @@ def test_split_sequential_shares_the_layers() -> None:
     parts = split_sequential(model, GROUPS)
     assert [len(p) for p in parts] == [2, 2, 1]
     assert parts[1][0] is model[2]
-    specs = build_layer_groups(model, GROUPS, DNISettings(), 64)
-    assert [(s.in_features, s.out_features, s.last) for s in specs] == [(64, 64, False), (64, 64, False), (64, 10, True)]
+    specs = build_stages(model, GROUPS, StageSettings(), 64)
+    shapes = [(s.shape.in_features, s.shape.out_features, s.shape.last) for s in specs]
+    assert shapes == [(64, 64, False), (64, 64, False), (64, 10, True)]
 
 
-# -- a group in isolation, wired to a recorder ---------------------------------------
+# -- a stage in isolation, wired to a recorder ---------------------------------------
 
 
 class Recorder(Actor):
-    """Stands in for a group's neighbours and monitor; keeps what it receives."""
+    """Stands in for a stage's neighbours and monitor; keeps what it receives."""
 
     mailbox_size = 0
 
     def __init__(self) -> None:
         self.received: list[object] = []
 
-    @handler(Forward, Gradient, Done, LossReport, GroupDown)
+    @handler(Forward, Gradient, Done, LossReport, StageDown)
     def keep(self, msg: object) -> None:
         self.received.append(msg)
 
@@ -165,7 +179,7 @@ class Recorder(Actor):
 
 
 async def test_bootstrapped_target_is_next_groups_synthetic_gradient_backpropagated() -> None:
-    """A middle group sends upstream M_k(h_k) back-propagated through its layers (before its update)."""
+    """A middle stage sends upstream M_k(h_k) back-propagated through its layers (before its update)."""
     torch.manual_seed(3)
     layers = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 8))
     sg = SyntheticGradient(8, num_classes=10, hidden_layers=1, hidden_width=16)
@@ -178,7 +192,8 @@ async def test_bootstrapped_target_is_next_groups_synthetic_gradient_backpropaga
 
     async with ActorSystem() as system:
         rec = await system.spawn(Recorder, name="recorder")
-        group = await system.spawn(LayerGroup, layers, DNISettings(conditioned=True), 12, 8, 12, False, 0, sg, name="g1")
+        settings, shape = StageSettings(rule="cdni"), StageShape(12, 8, 12, last=False)
+        group = await system.spawn(Stage, layers, settings, shape, rule=CDNIRule(settings, shape, sg=sg), name="g1")
         await group.ask(Connect([rec], [rec], rec))
         await group.tell(Forward(7, 7, 1, 1.0, h, labels))
         stats = await group.ask(StatsRequest())  # handled after the forward: its sends are in rec's mailbox
@@ -204,10 +219,10 @@ async def test_true_gradient_overtakes_queued_forwards_and_staleness_is_reported
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(12, 8))
     labels = torch.tensor([1, 2, 3])
-    settings = DNISettings(conditioned=True, trace=True)
+    settings = StageSettings(rule="cdni", trace=True)
     async with ActorSystem() as system:
         rec = await system.spawn(Recorder, name="recorder")
-        group = await system.spawn(LayerGroup, layers, settings, 12, 8, 12, False, 0, name="g0")
+        group = await system.spawn(Stage, layers, settings, StageShape(12, 8, 12, last=False), name="g0")
         await group.ask(Connect([], [rec], rec))
         await group.tell(Forward(0, 0, 1, 1.0, torch.randn(3, 12), labels))
         await group.ask(StatsRequest())
@@ -234,10 +249,10 @@ async def test_sg_fit_rows_fits_the_synthetic_gradient_on_the_first_rows_only() 
     reference, everything = copy.deepcopy(sg), copy.deepcopy(sg)
     labels = torch.tensor([1, 2, 3, 4])
     target = torch.randn(4, 8)
-    settings = DNISettings(conditioned=True, sg_fit_rows=2)
+    settings, shape = StageSettings(rule="cdni", sg_fit_rows=2), StageShape(12, 8, 12, last=False)
     async with ActorSystem() as system:
         rec = await system.spawn(Recorder, name="recorder")
-        group = await system.spawn(LayerGroup, layers, settings, 12, 8, 12, False, 0, sg, name="g0")
+        group = await system.spawn(Stage, layers, settings, shape, rule=CDNIRule(settings, shape, sg=sg), name="g0")
         await group.ask(Connect([], [rec], rec))
         await group.tell(Forward(0, 0, 1, 1.0, torch.randn(4, 12), labels))
         await group.ask(StatsRequest())
@@ -269,8 +284,9 @@ async def test_true_gradient_instead_of_synthetic_reproduces_backprop(
     model = mlp(seed=5)
     untouched = copy.deepcopy(model)
     async with ActorSystem() as system:
-        refs = await spawn_layer_groups(system, model, GROUPS, DNISettings(mode="sync"), 64)
-        async with PipelineDriver(system, refs, mode="sync", micro_batches=micro_batches) as driver:
+        refs = await spawn_stages(system, model, GROUPS, StageSettings(rule="sync"), 64)
+        schedule = Schedule(micro_batches=micro_batches, flush=True)
+        async with PipelineDriver(system, refs, schedule) as driver:
             result = await driver.train(x, y, epochs=2, batch_size=32, seed=9)
             states = await driver.states()
 
@@ -289,14 +305,61 @@ async def test_true_gradient_instead_of_synthetic_reproduces_backprop(
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
 
 
+async def test_sync_rule_with_one_batch_in_flight_reproduces_backprop(digits: tuple[torch.Tensor, ...]) -> None:
+    """No flush, no micro-batches: a window of one batch alone makes the true-gradient rule backprop."""
+    x, y = digits[0][:192], digits[1][:192]
+    reference = mlp(seed=6)
+    train_backprop(reference, x, y, epochs=1, batch_size=32, seed=3, lr=1e-3)
+    model = mlp(seed=6)
+    batches = [idx for _, idx in batch_order(192, 32, epochs=1, seed=3)]  # what a data cursor would hand out
+    async with ActorSystem() as system:
+        refs = await spawn_stages(system, model, GROUPS, StageSettings(rule="sync"), 64)
+        async with PipelineDriver(system, refs, Schedule(max_in_flight=1)) as driver:
+            result = await driver.train(x, y, batches)
+            states = await driver.states()
+    assert result.samples == 192 and [s.steps for s in result.stats] == [6, 6, 6]
+    got = {f"{g[int(n.split('.')[0])]}.{n.split('.')[1]}": t for g, st in zip(GROUPS, states) for n, t in st.items()}
+    want = reference.state_dict()
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+
+
+async def test_drain_waits_for_every_batch_in_flight_then_rewire_drives_other_stages(
+    digits: tuple[torch.Tensor, ...]
+) -> None:
+    x, y = digits[0], digits[1]
+    async with ActorSystem() as system:
+        refs = await spawn_stages(system, mlp(), GROUPS, StageSettings(), 64)
+        others = await spawn_stages(system, mlp(seed=1), [[0, 1, 2, 3], [4]], StageSettings(), 64, prefix="other")
+        async with PipelineDriver(system, refs, Schedule(max_in_flight=6)) as driver:
+            training = asyncio.create_task(driver.train(x, y, epochs=100, batch_size=16))
+            while (await refs[2].ask(StatsRequest())).steps < 10:
+                pass
+            training.cancel()  # the feeding stops with batches still in the pipeline
+            with pytest.raises(asyncio.CancelledError):
+                await training
+            assert driver.in_flight > 0
+            await driver.drain()
+            assert driver.in_flight == 0
+            first, _, last = await driver.stats()
+            # every batch fed went through the last stage, and its true gradient came back to the first
+            assert first.sg_steps == last.steps >= 10 and first.late_gradients == first.evictions == 0
+
+            await driver.rewire(others)
+            result = await driver.train(x[:64], y[:64], epochs=1, batch_size=16)
+            assert [s.steps for s in result.stats] == [4, 4]
+            assert (await refs[0].ask(StatsRequest())).steps == first.steps  # the old stages no longer train
+
+
 @pytest.mark.parametrize("mode", ["dni", "sync"])
 async def test_group_updates_before_any_gradient_returns(digits: tuple[torch.Tensor, ...], mode: str) -> None:
-    """Traces recorded by the actors: in DNI group 0 updates on every batch before its gradient is back."""
+    """Traces recorded by the actors: in DNI stage 0 updates on every batch before its gradient is back."""
     x, y = digits[0][:128], digits[1][:128]
-    settings = DNISettings(mode=mode, trace=True)  # type: ignore[arg-type]
+    settings = StageSettings(rule=mode, trace=True)
     async with ActorSystem() as system:
-        refs = await spawn_layer_groups(system, mlp(), GROUPS, settings, 64)
-        async with PipelineDriver(system, refs, mode=mode, max_in_flight=4) as driver:
+        refs = await spawn_stages(system, mlp(), GROUPS, settings, 64)
+        async with PipelineDriver(system, refs, Schedule.for_rule(mode, max_in_flight=4)) as driver:
             await driver.train(x, y, epochs=1, batch_size=16, seed=0)
             traces = await driver.traces()
 
@@ -305,13 +368,13 @@ async def test_group_updates_before_any_gradient_returns(digits: tuple[torch.Ten
     gradients = [i for i, (e, _) in enumerate(first) if e == "gradient"]
     assert len(updates) == 8 and len(gradients) == 8
     if mode == "dni":
-        # group 0 updated before any gradient came back (how many depends on timing: returning gradients
+        # stage 0 updated before any gradient came back (how many depends on timing: returning gradients
         # overtake queued forwards), and on every batch before that batch's gradient
         assert updates[0] < gradients[0]
         for b in range(8):
             assert first.index(("sent_downstream", b)) < first.index(("update", b)) < first.index(("gradient", b))
         middle = list(zip(traces[1].events, traces[1].batch_ids))
-        for b in range(8):  # the middle group sends its (bootstrapped) gradient right after updating
+        for b in range(8):  # the middle stage sends its (bootstrapped) gradient right after updating
             assert middle.index(("update", b)) < middle.index(("sent_upstream", b)) < middle.index(("gradient", b))
     else:
         assert updates[0] > gradients[0]
@@ -324,8 +387,9 @@ async def test_cache_evictions_are_counted_and_their_batches_still_finish() -> N
     labels = torch.tensor([1, 2, 3])
     async with ActorSystem() as system:
         rec = await system.spawn(Recorder, name="recorder")
-        settings = DNISettings(cache_size=2)
-        group = await system.spawn(LayerGroup, nn.Sequential(nn.Linear(12, 8)), settings, 12, 8, 12, False, 0, name="g0")
+        shape = StageShape(12, 8, 12, last=False)
+        layers = nn.Sequential(nn.Linear(12, 8))
+        group = await system.spawn(Stage, layers, StageSettings(cache_size=2), shape, name="g0")
         await group.ask(Connect([], [rec], rec))
         for b in range(3):  # the third output pushes the first out of the cache
             await group.tell(Forward(b, b, 1, 1.0, torch.randn(3, 12), labels))
@@ -342,8 +406,8 @@ async def test_cache_evictions_are_counted_and_their_batches_still_finish() -> N
 async def test_stopped_group_is_reported_not_hung(digits: tuple[torch.Tensor, ...]) -> None:
     x, y = digits[0], digits[1]
     async with ActorSystem() as system:
-        refs = await spawn_layer_groups(system, mlp(), GROUPS, DNISettings(), 64)
-        async with PipelineDriver(system, refs, max_in_flight=4) as driver:
+        refs = await spawn_stages(system, mlp(), GROUPS, StageSettings(), 64)
+        async with PipelineDriver(system, refs, Schedule(max_in_flight=4)) as driver:
             training = asyncio.create_task(driver.train(x, y, epochs=100, batch_size=16))
             while (await refs[2].ask(StatsRequest())).steps < 5:  # progress seen through messages
                 pass
@@ -357,7 +421,7 @@ async def test_stopped_group_is_reported_not_hung(digits: tuple[torch.Tensor, ..
 async def test_failing_group_is_reported(digits: tuple[torch.Tensor, ...]) -> None:
     x, y = digits[0][:64], digits[1][:64]
     async with ActorSystem() as system:
-        refs = await spawn_layer_groups(system, mlp(), GROUPS, DNISettings(), 64)
+        refs = await spawn_stages(system, mlp(), GROUPS, StageSettings(), 64)
         async with PipelineDriver(system, refs) as driver:
             async with asyncio.timeout(10):
                 with pytest.raises(PipelineBroken, match="failed") as err:
@@ -367,7 +431,7 @@ async def test_failing_group_is_reported(digits: tuple[torch.Tensor, ...]) -> No
 
 async def test_dni_on_digits_reaches_modest_accuracy(digits: tuple[torch.Tensor, ...]) -> None:
     xtr, ytr, xte, yte = digits
-    settings = DNISettings(conditioned=True, lr=3e-4, sg_lr=1e-4, sg_hidden_layers=0)
+    settings = StageSettings(rule="cdni", lr=3e-4, sg_lr=1e-4, sg_hidden_layers=0)
     result = await run_pipeline(
         mlp(width=128), GROUPS, xtr, ytr, settings=settings, epochs=10, batch_size=32, eval_x=xte, eval_y=yte
     )
@@ -381,7 +445,7 @@ async def test_dni_on_digits_reaches_modest_accuracy(digits: tuple[torch.Tensor,
 
 async def test_synthetic_inputs_train_the_input_model(digits: tuple[torch.Tensor, ...]) -> None:
     xtr, ytr, xte, yte = digits
-    settings = DNISettings(conditioned=True, lr=3e-4, sg_hidden_layers=0, synthetic_inputs=True)
+    settings = StageSettings(rule="cdni", lr=3e-4, sg_hidden_layers=0, synthetic_inputs=True)
     result = await run_pipeline(
         mlp(), GROUPS, xtr, ytr, settings=settings, epochs=3, batch_size=50, eval_x=xte, eval_y=yte
     )
@@ -408,13 +472,12 @@ async def test_mailboxes_of_twice_the_window_never_deadlock(
     """Forwards go down and gradients up through bounded mailboxes; the window keeps them from filling."""
     x, y = digits[0][:640], digits[1][:640]
     window = 3
-    settings = DNISettings(synthetic_inputs=synthetic_inputs)
+    settings = StageSettings(synthetic_inputs=synthetic_inputs)
     async with ActorSystem() as system:
-        refs = await spawn_layer_groups(
-            system, mlp(), GROUPS, settings, 64, mailbox_size=(3 if synthetic_inputs else 2) * window
-        )
+        mailbox_size = (3 if synthetic_inputs else 2) * window
+        refs = await spawn_stages(system, mlp(), GROUPS, settings, 64, mailbox_size=mailbox_size)
         async with PipelineDriver(
-            system, refs, max_in_flight=window, synthetic_inputs=synthetic_inputs, stall_timeout_s=10
+            system, refs, Schedule(max_in_flight=window), synthetic_inputs=synthetic_inputs, stall_timeout_s=10
         ) as driver:
             async with asyncio.timeout(30):
                 result = await driver.train(x, y, epochs=2, batch_size=8)
@@ -423,10 +486,10 @@ async def test_mailboxes_of_twice_the_window_never_deadlock(
 
 async def test_mailboxes_too_small_for_the_window_are_reported_not_hung(digits: tuple[torch.Tensor, ...]) -> None:
     x, y = digits[0][:640], digits[1][:640]
-    settings = DNISettings(send_timeout_s=0.5)
+    settings = StageSettings(send_timeout_s=0.5)
     async with ActorSystem() as system:
-        refs = await spawn_layer_groups(system, mlp(), GROUPS, settings, 64, mailbox_size=1)
-        async with PipelineDriver(system, refs, max_in_flight=8, stall_timeout_s=5) as driver:
+        refs = await spawn_stages(system, mlp(), GROUPS, settings, 64, mailbox_size=1)
+        async with PipelineDriver(system, refs, Schedule(max_in_flight=8), stall_timeout_s=5) as driver:
             async with asyncio.timeout(20):
                 with pytest.raises(PipelineBroken, match="mailbox full"):
                     await driver.train(x, y, epochs=2, batch_size=8)

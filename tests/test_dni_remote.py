@@ -1,4 +1,4 @@
-"""DNI placed across nodes: every layer group on its own ActorSystem, talking over loopback websockets.
+"""DNI placed across nodes: every stage on its own ActorSystem, talking over loopback websockets.
 
 The driver holds only refs by address (``layer-group-k@host:port``); every
 activation, gradient, eval batch and parameter copy crosses the wire codec.
@@ -18,8 +18,16 @@ from torch import nn
 
 from dniasync import ActorRef, ActorSystem, Directive
 from dniasync.remote import WebSocketTransport
-from dniasync.train.dni import DNISettings, LayerGroup, StatsRequest, build_layer_groups
-from dniasync.train.pipeline import PipelineBroken, PipelineDriver, train_backprop
+from dniasync.train.pipeline import (
+    PipelineBroken,
+    PipelineDriver,
+    Schedule,
+    Stage,
+    StageSettings,
+    StatsRequest,
+    build_stages,
+    train_backprop,
+)
 
 torch.set_num_threads(1)
 
@@ -42,9 +50,9 @@ def digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
 
 @asynccontextmanager
 async def placed(
-    model: nn.Sequential, settings: DNISettings
+    model: nn.Sequential, settings: StageSettings
 ) -> AsyncIterator[tuple[WebSocketTransport, list[WebSocketTransport], list[ActorRef]]]:
-    """A driver node plus one node per layer group; yields refs to the groups as the driver sees them."""
+    """A driver node plus one node per stage; yields refs to the stages as the driver sees them."""
     async with AsyncExitStack() as stack:
         nodes = []
         for _ in range(1 + len(GROUPS)):
@@ -52,8 +60,8 @@ async def placed(
             nodes.append(await stack.enter_async_context(WebSocketTransport(system)))
         driver_node, group_nodes = nodes[0], nodes[1:]
         # each node would build the model from the same factory and seed and keep its slice
-        for k, (node, spec) in enumerate(zip(group_nodes, build_layer_groups(model, GROUPS, settings, 64))):
-            await node.system.spawn(LayerGroup, *spec.args(), name=f"layer-group-{k}", supervision=Directive.STOP)
+        for k, (node, spec) in enumerate(zip(group_nodes, build_stages(model, GROUPS, settings, 64))):
+            await node.system.spawn(Stage, *spec.args(), name=f"layer-group-{k}", supervision=Directive.STOP)
         refs = [driver_node.system.ref(f"layer-group-{k}@{node.address}") for k, node in enumerate(group_nodes)]
         yield driver_node, group_nodes, refs
 
@@ -64,8 +72,8 @@ async def test_sync_pipeline_across_nodes_reproduces_backprop(digits: tuple[torc
     train_backprop(reference, x, y, epochs=1, batch_size=32, seed=2)
     model = mlp(seed=4)
     untouched = copy.deepcopy(model)
-    async with placed(model, DNISettings(mode="sync")) as (driver_node, _, refs):
-        async with PipelineDriver(driver_node.system, refs, mode="sync", micro_batches=2) as driver:
+    async with placed(model, StageSettings(rule="sync")) as (driver_node, _, refs):
+        async with PipelineDriver(driver_node.system, refs, Schedule(micro_batches=2, flush=True)) as driver:
             await driver.train(x, y, epochs=1, batch_size=32, seed=2)
             states = await driver.states()  # parameters copied over the wire
     want = reference.state_dict()
@@ -78,9 +86,10 @@ async def test_sync_pipeline_across_nodes_reproduces_backprop(digits: tuple[torc
 
 async def test_cdni_across_nodes_learns_and_reports_a_dead_node(digits: tuple[torch.Tensor, ...]) -> None:
     xtr, ytr, xte, yte = digits
-    settings = DNISettings(conditioned=True, lr=3e-4, sg_hidden_layers=0)
+    settings = StageSettings(rule="cdni", lr=3e-4, sg_hidden_layers=0)
     async with placed(mlp(), settings) as (driver_node, group_nodes, refs):
-        async with PipelineDriver(driver_node.system, refs, max_in_flight=4, liveness_interval_s=0.2) as driver:
+        schedule = Schedule(max_in_flight=4)
+        async with PipelineDriver(driver_node.system, refs, schedule, liveness_interval_s=0.2) as driver:
             before, _ = await driver.evaluate(xte, yte)
             result = await driver.train(xtr, ytr, epochs=3, batch_size=32, eval_x=xte, eval_y=yte)
             assert result.final_accuracy > max(0.5, before + 0.3), [p.accuracy for p in result.history]
@@ -89,7 +98,7 @@ async def test_cdni_across_nodes_learns_and_reports_a_dead_node(digits: tuple[to
             training = asyncio.create_task(driver.train(xtr, ytr, epochs=100, batch_size=32))
             while (await refs[2].ask(StatsRequest())).steps < result.stats[2].steps + 5:
                 pass
-            await group_nodes[1].close()  # the middle group's node goes away
+            await group_nodes[1].close()  # the middle stage's node goes away
             async with asyncio.timeout(20):
                 with pytest.raises(PipelineBroken) as err:
                     await training

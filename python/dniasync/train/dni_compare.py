@@ -23,9 +23,8 @@ from torch import nn
 
 from ..runtime import run
 from .data import load_dataset, split
-from .dni import DNISettings
 from .models import mlp
-from .pipeline import TrainResult, run_pipeline, train_backprop
+from .pipeline import StageSettings, TrainResult, run_pipeline, train_backprop
 
 __all__ = ["compare", "main"]
 
@@ -85,10 +84,9 @@ def compare(
         if method == "backprop":
             result = train_backprop(_model(sizes, seed), x, y, lr=lr, **common)
         else:
-            settings = DNISettings(
-                mode="sync" if method == "sync" else "dni",
+            settings = StageSettings(
+                rule="cdni" if method.startswith("cdni") else method,
                 lr=lr,
-                conditioned=method.startswith("cdni"),
                 sg_lr=sg_lr,
                 sg_hidden_layers=sg_hidden_layers,
                 synthetic_inputs=method == "cdni_si",

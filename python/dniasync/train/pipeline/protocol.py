@@ -1,0 +1,184 @@
+"""The wire messages of a pipeline: stages, their driver and its monitor.
+
+Plain fields, refs and tensors only: the remote codec sends tensors as raw
+bytes with dtype and shape, never pickled. The tags are those the layer-group
+messages always had (the tag, not the class name, is the wire contract).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...actors import ActorRef, message
+
+__all__ = [
+    "Connect",
+    "Done",
+    "EvalForward",
+    "EvalOutput",
+    "Forward",
+    "Gradient",
+    "LossReport",
+    "RawInput",
+    "StageDown",
+    "StageState",
+    "StageStats",
+    "StateRequest",
+    "StatsRequest",
+    "Trace",
+    "TraceRequest",
+]
+
+
+@message("dniasync.dni.Connect")
+@dataclass(frozen=True)
+class Connect:
+    """Wires a stage to its neighbours; empty lists mean first / last stage."""
+
+    upstream: list[ActorRef]
+    downstream: list[ActorRef]
+    monitor: ActorRef
+
+
+@message("dniasync.dni.Forward")
+@dataclass(frozen=True)
+class Forward:
+    """Activations of one (micro-)batch travelling downstream.
+
+    ``step_id`` and ``parts`` group micro-batches into one optimizer step
+    (``parts=1``: the batch is a step of its own); ``weight`` is this part's
+    share of the step's loss (its size over the mini-batch size).
+    """
+
+    batch_id: int
+    step_id: int
+    parts: int
+    weight: float
+    activations: torch.Tensor
+    labels: torch.Tensor
+
+
+@message("dniasync.dni.RawInput")
+@dataclass(frozen=True)
+class RawInput:
+    """The raw inputs of a batch, for a stage that predicts its own input."""
+
+    batch_id: int
+    inputs: torch.Tensor
+    labels: torch.Tensor
+
+
+@message("dniasync.dni.Gradient")
+@dataclass(frozen=True)
+class Gradient:
+    """``dL/dh`` for a batch's activations, travelling upstream."""
+
+    batch_id: int
+    gradient: torch.Tensor
+
+
+@message("dniasync.dni.Done")
+@dataclass(frozen=True)
+class Done:
+    """A stage has finished with ``batch_id``: nothing more of it will be sent or kept there.
+
+    The last stage sends it after its forward; the others once the batch's
+    gradient has come back (and was used, or found its batch evicted).
+    """
+
+    batch_id: int
+
+
+@message("dniasync.dni.LossReport")
+@dataclass(frozen=True)
+class LossReport:
+    """The last stage's real loss on one batch."""
+
+    batch_id: int
+    loss: float
+    correct: int
+    count: int
+
+
+@message("dniasync.dni.GroupDown")
+@dataclass(frozen=True)
+class StageDown:
+    """A stage failed, stopped, or found a neighbour stopped."""
+
+    address: str
+    reason: str
+
+
+@message("dniasync.dni.EvalForward")
+@dataclass(frozen=True)
+class EvalForward:
+    """Ask: forward ``activations`` through the stage's current weights, eval mode."""
+
+    activations: torch.Tensor
+
+
+@message("dniasync.dni.EvalOutput")
+@dataclass(frozen=True)
+class EvalOutput:
+    """Reply to :class:`EvalForward`."""
+
+    activations: torch.Tensor
+
+
+@message("dniasync.dni.StatsRequest")
+@dataclass(frozen=True)
+class StatsRequest:
+    """Ask: counters of a stage, and its SG loss since the previous request."""
+
+
+@message("dniasync.dni.GroupStats")
+@dataclass(frozen=True)
+class StageStats:
+    """Reply to :class:`StatsRequest`. Mean losses are NaN when nothing was recorded."""
+
+    address: str
+    steps: int
+    sg_steps: int
+    sg_loss: float
+    input_steps: int
+    input_loss: float
+    evictions: int
+    late_gradients: int
+    sg_staleness_total: int = 0
+    """Sum over returning gradients of this stage's own updates between the batch's forward and its return."""
+    bytes_pushed: int = 0
+    """Payload bytes of the gradients this stage pushed to its PS shards (replicated stages; else 0)."""
+    bytes_pulled: int = 0
+    """Payload bytes of the parameters this stage pulled from its PS shards."""
+
+
+@message("dniasync.dni.StateRequest")
+@dataclass(frozen=True)
+class StateRequest:
+    """Ask: a copy of the stage's parameters (tensors only, never pickled)."""
+
+
+@message("dniasync.dni.GroupState")
+@dataclass(frozen=True)
+class StageState:
+    """Reply to :class:`StateRequest`: ``names[i]`` is the parameter of ``tensors[i]``."""
+
+    names: list[str]
+    tensors: list[torch.Tensor]
+
+
+@message("dniasync.dni.TraceRequest")
+@dataclass(frozen=True)
+class TraceRequest:
+    """Ask: the events this stage recorded, in the order it handled them."""
+
+
+@message("dniasync.dni.Trace")
+@dataclass(frozen=True)
+class Trace:
+    """Reply to :class:`TraceRequest`: ``events[i]`` happened to ``batch_ids[i]``."""
+
+    events: list[str]
+    batch_ids: list[int]

@@ -1,0 +1,148 @@
+"""What an update rule is: the per-batch decisions of a pipeline stage, and what it may use of the stage.
+
+A :class:`~dniasync.train.pipeline.stage.Stage` handles the messages; at
+three points of a batch's life it asks its rule what to do:
+
+- :meth:`UpdateRule.before_forward`: which weights the batch meets (a rule may
+  swap in stashed or predicted weights here, or train on what arrived first);
+- :meth:`UpdateRule.after_forward` (stages with a downstream): update now, or
+  keep what the batch's returning gradient will need;
+- :meth:`UpdateRule.on_gradient`: the batch's true gradient is back.
+
+A hook answers with an :class:`Outcome`; the stage records, keeps and sends
+accordingly. The last stage needs no rule after its forward: its loss gives
+the true gradient at once (micro-batches of one step are accumulated).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, TypeVar
+
+import torch
+from torch import nn
+
+from ..protocol import Forward, Gradient, RawInput
+from ..settings import StageSettings, StageShape
+from ..synthetic import SyntheticGradient, SyntheticInput
+
+__all__ = ["NOTHING", "Kept", "Outcome", "StageContext", "UpdateRule"]
+
+R = TypeVar("R")
+V = TypeVar("V")
+
+
+@dataclass
+class Kept:
+    """What a stage keeps of a batch until its gradient returns."""
+
+    h_in: torch.Tensor | None
+    """The input of the batch's graph when the graph is kept, else None (only the outputs are)."""
+    h_out: torch.Tensor
+    labels: torch.Tensor
+    step_id: int
+    parts: int
+    at_step: int
+    """The stage's update count when the batch went forward: its staleness is measured from it."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a rule did with a batch; the stage traces ``event``, keeps, sends upstream, then says done."""
+
+    event: str | None = None
+    keep: Kept | None = None
+    upstream: torch.Tensor | None = None
+    """The gradient with respect to the stage's input, for the stage upstream."""
+    done: bool = False
+    """The stage is finished with the batch (the monitor is told)."""
+
+
+NOTHING = Outcome()
+
+
+class StageContext(Protocol):
+    """What a rule may use of its stage: its layers, its torch work and its bookkeeping; no messaging.
+
+    ``backward`` and ``loss_backward`` run torch work: call them on a worker
+    thread (``await stage.run_blocking(...)``).
+    """
+
+    layers: nn.Sequential
+    last: bool
+    steps: int
+
+    def trace(self, event: str, batch_id: int) -> None: ...
+
+    def keep(self, cache: OrderedDict[int, V], batch_id: int, value: V) -> None:
+        """``cache[batch_id] = value``, evicting the oldest beyond the rule's ``cache_size`` (counted)."""
+
+    def count_part(self, step_id: int, parts: int) -> tuple[bool, bool]:
+        """Count one micro-batch of ``step_id``: (is it the first, is it the last)."""
+        ...
+
+    def backward(
+        self, h_in: torch.Tensor, h_out: torch.Tensor, grad: torch.Tensor, *, zero: bool, step: bool
+    ) -> torch.Tensor | None:
+        """Back-propagate ``grad`` at ``h_out``; ``zero`` the gradients first, ``step`` after; ``dL/dh_in``."""
+        ...
+
+    def loss_backward(
+        self, h_in: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, weight: float, *, zero: bool, step: bool
+    ) -> tuple[torch.Tensor | None, float, int]:
+        """Back-propagate ``weight`` times the cross-entropy; (``dL/dh_in``, loss, correct predictions)."""
+        ...
+
+    async def run_blocking(self, func: Callable[..., R], *args: Any, **kwargs: Any) -> R: ...
+
+
+class UpdateRule:
+    """The per-batch behaviour of a stage, chosen by name (:func:`~dniasync.train.pipeline.rules.get_rule`).
+
+    Built once per stage from the pipeline's settings and the stage's shape.
+    ``urgent_gradients``: returning gradients overtake the forwards queued at
+    the stage. ``flush``: the driver waits for the pipeline to empty after
+    every mini-batch. ``sg`` and ``input_model``: the small models the rule
+    trains besides the layers, reported in stats and metrics.
+    """
+
+    flush: ClassVar[bool] = False
+    urgent_gradients: ClassVar[bool] = False
+
+    def __init__(self, settings: StageSettings, shape: StageShape) -> None:
+        self.check(settings)
+        self.settings = settings
+        self.shape = shape
+        self.cache_size = settings.cache_size
+        self.sg: SyntheticGradient | None = None
+        self.input_model: SyntheticInput | None = None
+
+    @classmethod
+    def check(cls, settings: StageSettings) -> None:
+        """Raise ``ValueError`` if ``settings`` ask for something this rule cannot do."""
+
+    def connect(self, has_upstream: bool) -> None:
+        """The stage was wired (again); ``has_upstream``: it is not the first."""
+
+    async def before_forward(self, stage: StageContext, msg: Forward) -> None:
+        """Before the batch's forward: set the weights it meets."""
+
+    async def after_forward(
+        self, stage: StageContext, msg: Forward, h_in: torch.Tensor, h_out: torch.Tensor
+    ) -> Outcome:
+        """The batch went forward (and downstream) through a stage that is not the last."""
+        raise NotImplementedError
+
+    async def on_gradient(self, stage: StageContext, kept: Kept, msg: Gradient) -> Outcome:
+        """The true gradient of a batch the stage kept is back."""
+        raise NotImplementedError
+
+    def on_late_gradient(self, batch_id: int) -> Outcome:
+        """A gradient came back after its batch was evicted from the cache (counted by the stage)."""
+        return Outcome(done=True)
+
+    async def on_raw_input(self, stage: StageContext, msg: RawInput) -> Outcome:
+        """A batch's raw inputs, sent ahead of its activations."""
+        return NOTHING

@@ -1,0 +1,67 @@
+"""How the stages of a pipeline train (:class:`StageSettings`) and where one sits (:class:`StageShape`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["StageSettings", "StageShape"]
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """How every stage of a pipeline trains.
+
+    ``rule`` names the update rule (see :func:`~dniasync.train.pipeline.rules.get_rule`):
+    ``"dni"`` (update at once from a synthetic gradient), ``"cdni"`` (the same,
+    the SG model conditioned on the labels) or ``"sync"`` (the synchronous
+    pipeline: wait for the true gradient, GPipe-style micro-batches).
+    ``cache_size`` bounds the batches a stage keeps while their gradient is on
+    its way back (DNI: outputs for SG training; sync: graphs).
+
+    The ``sg_*``, ``synthetic_inputs`` and ``input_lr`` options belong to the
+    synthetic-gradient rules. ``synthetic_inputs``: stages after the first also
+    learn to predict their input from the raw data and train on it before the
+    real input arrives. ``sg_fit_rows``: fit the SG model on the first this
+    many rows of each returning batch (0: all). Batches are shuffled, so the
+    rows are a random sample; fitting on half a batch of 128 halves the SG
+    model's training cost for a small loss in accuracy (see
+    ``benchmarks/bench_dni.py``).
+    """
+
+    rule: str = "dni"
+    lr: float = 1e-3
+    optimizer: Literal["adam", "sgd"] = "adam"
+    num_classes: int = 10
+    cache_size: int = 64
+    trace: bool = False
+    send_timeout_s: float = 30.0
+    """A send that waits this long on a full mailbox is dropped and reported."""
+    sg_hidden_layers: int = 1
+    sg_hidden_width: int = 0
+    """0: as wide as the activations."""
+    sg_lr: float = 1e-4
+    sg_fit_rows: int = 0
+    synthetic_inputs: bool = False
+    input_lr: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        if self.sg_hidden_layers < 0 or self.sg_hidden_width < 0 or self.sg_fit_rows < 0:
+            raise ValueError("sg_hidden_layers, sg_hidden_width and sg_fit_rows must be >= 0")
+        if self.send_timeout_s <= 0:
+            raise ValueError(f"send_timeout_s must be > 0, got {self.send_timeout_s}")
+        if self.cache_size < 1:
+            raise ValueError(f"cache_size must be >= 1, got {self.cache_size}")
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """Where a stage sits: its input and output widths, the raw input's, whether it is last, its seed."""
+
+    in_features: int
+    out_features: int
+    raw_features: int
+    last: bool
+    seed: int = 0

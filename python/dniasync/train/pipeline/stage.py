@@ -1,0 +1,319 @@
+"""One pipeline stage: a group of layers as an actor, whatever update rule it trains by.
+
+A :class:`Stage` receives ``h_{k-1}``, computes ``h_k`` and sends it
+downstream; gradients travel back upstream. What happens to a batch in
+between (update now from a synthetic gradient, keep the graph until the true
+gradient returns, ...) is its :class:`~dniasync.train.pipeline.rules.UpdateRule`'s
+decision; how the parameters are stepped (a local optimizer, or push and pull
+to PS shards shared with other replicas) is its
+:class:`~dniasync.train.param_sync.ParamSync`'s. The stage holds the layers,
+the wiring, the cache of batches awaiting their gradient, the counters, the
+trace, and answers evaluation, state and stats requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from typing import TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...actors import Actor, ActorRef, ActorStopped, handler
+from .. import telemetry
+from ..param_sync import LocalOptimizer, ParamSync
+from .protocol import (
+    Connect,
+    Done,
+    EvalForward,
+    EvalOutput,
+    Forward,
+    Gradient,
+    LossReport,
+    RawInput,
+    StageDown,
+    StageState,
+    StageStats,
+    StateRequest,
+    StatsRequest,
+    Trace,
+    TraceRequest,
+)
+from .rules import Kept, Outcome, UpdateRule, make_rule
+from .settings import StageSettings, StageShape
+
+__all__ = ["Stage"]
+
+V = TypeVar("V")
+
+
+class Stage(Actor):
+    """One stage of a pipeline, wired to its neighbours and the driver's monitor by :class:`Connect`.
+
+    Spawned with its layers, the pipeline's settings and its shape (see
+    :func:`~dniasync.train.pipeline.cut.build_stages`); ``rule`` defaults to
+    the one ``settings.rule`` names, ``params`` to a local optimizer. Handles
+    :class:`Forward`, :class:`Gradient`, :class:`RawInput` (tells) and
+    :class:`EvalForward`, :class:`StatsRequest`, :class:`StateRequest`,
+    :class:`TraceRequest` (asks). Torch work runs on the system's blocking
+    threads so the event loop keeps serving other actors.
+
+    Its mailbox bounds the batches queued at it. A batch is in flight until
+    every stage has sent :class:`Done` for it; each in-flight batch puts at
+    most one forward, one gradient and one raw input in a stage's mailbox, so
+    a driver keeping at most W batches in flight never blocks a stage on a full
+    mailbox (and no cycle of full mailboxes can deadlock) when
+    ``mailbox_size >= 2 * W`` (``3 * W`` with synthetic inputs).
+    """
+
+    mailbox_size = 64
+
+    def __init__(
+        self,
+        layers: nn.Sequential,
+        settings: StageSettings,
+        shape: StageShape,
+        *,
+        rule: UpdateRule | None = None,
+        params: ParamSync | None = None,
+    ) -> None:
+        self.layers = layers
+        self.settings = settings
+        self.last = shape.last
+        self.rule = rule if rule is not None else make_rule(settings, shape)
+        if self.rule.urgent_gradients:
+            self.urgent_messages = (Gradient,)
+        self.params: ParamSync = (
+            params if params is not None else LocalOptimizer(layers.parameters(), settings.optimizer, settings.lr)
+        )
+        self.sg = self.rule.sg
+        self.upstream: ActorRef | None = None
+        self.downstream: ActorRef | None = None
+        self.monitor: ActorRef | None = None
+        self._kept: OrderedDict[int, Kept] = OrderedDict()
+        self._parts_done: dict[int, int] = {}
+        self.steps = 0
+        self.evictions = 0
+        self.late_gradients = 0
+        self.staleness_sum = 0
+        """Updates between each batch's forward and the return of its gradient, summed over the returns."""
+        self.forwards = 0
+        self.forward_seconds = 0.0
+        self._sg_seen = 0
+        self._input_seen = 0
+        self._events: list[str] = []
+        self._event_batches: list[int] = []
+
+    # -- wiring and reporting ----------------------------------------------------
+    @handler
+    def connect(self, msg: Connect) -> None:
+        self.upstream = msg.upstream[0] if msg.upstream else None
+        self.downstream = msg.downstream[0] if msg.downstream else None
+        self.monitor = msg.monitor
+        self.rule.connect(self.upstream is not None)
+
+    def trace(self, event: str, batch_id: int) -> None:
+        """Record ``event`` for ``batch_id`` (with ``settings.trace``)."""
+        if self.settings.trace:
+            self._events.append(event)
+            self._event_batches.append(batch_id)
+
+    def _report_down(self, address: str, reason: str) -> None:
+        if self.monitor is None:
+            return
+        try:
+            self.monitor.tell_nowait(StageDown(address, reason))
+        except Exception:  # the monitor is gone or full: the driver's liveness check still sees it
+            pass
+
+    async def _send(self, ref: ActorRef | None, msg: object) -> bool:
+        if ref is None:
+            return False
+        try:
+            async with asyncio.timeout(self.settings.send_timeout_s):
+                await ref.tell(msg)
+        except ActorStopped as exc:
+            self._report_down(ref.address, f"unreachable from {self.ref.address}: {exc}")
+            return False
+        except TimeoutError:
+            # a full mailbox that never drains: a stalled neighbour or mailboxes too small for the window
+            self._report_down(
+                self.ref.address,
+                f"could not deliver to {ref.address} for {self.settings.send_timeout_s:g} s (mailbox full)",
+            )
+            return False
+        return True
+
+    async def on_start(self) -> None:
+        telemetry.track_layer_group(self.system, self)
+
+    async def on_failure(self, exc: BaseException) -> None:
+        self._report_down(self.ref.address, f"failed: {exc!r}")
+
+    async def on_stop(self) -> None:
+        self._report_down(self.ref.address, "stopped")
+
+    def keep(self, cache: OrderedDict[int, V], batch_id: int, value: V) -> None:
+        """``cache[batch_id] = value``, evicting the oldest beyond the rule's ``cache_size`` (counted)."""
+        cache[batch_id] = value
+        while len(cache) > self.rule.cache_size:
+            cache.popitem(last=False)
+            self.evictions += 1
+
+    def count_part(self, step_id: int, parts: int) -> tuple[bool, bool]:
+        """Count one micro-batch of ``step_id``: (is it the first, is it the last)."""
+        part = self._parts_done.get(step_id, 0) + 1
+        if part >= parts:
+            self._parts_done.pop(step_id, None)
+        else:
+            self._parts_done[step_id] = part
+        return part == 1, part >= parts
+
+    # -- torch work (runs on a blocking thread) ------------------------------------
+    def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h_in = x.detach().requires_grad_(self.upstream is not None)
+        h_out: torch.Tensor = self.layers(h_in)
+        return h_in, h_out
+
+    def backward(
+        self, h_in: torch.Tensor, h_out: torch.Tensor, grad: torch.Tensor, *, zero: bool, step: bool
+    ) -> torch.Tensor | None:
+        """Back-propagate ``grad`` at ``h_out``; ``zero`` the gradients first, ``step`` after; ``dL/dh_in``."""
+        if zero:
+            self.params.zero_grad()
+        torch.autograd.backward(h_out, grad)
+        if step:
+            self.params.step()
+            self.steps += 1
+        return h_in.grad.detach() if h_in.grad is not None else None
+
+    def loss_backward(
+        self, h_in: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, weight: float, *, zero: bool, step: bool
+    ) -> tuple[torch.Tensor | None, float, int]:
+        """Back-propagate ``weight`` times the cross-entropy; (``dL/dh_in``, loss, correct predictions)."""
+        loss = F.cross_entropy(logits, labels.long())
+        if zero:
+            self.params.zero_grad()
+        (loss * weight).backward()  # type: ignore[no-untyped-call]
+        if step:
+            self.params.step()
+            self.steps += 1
+        correct = int((logits.detach().argmax(dim=1) == labels).sum())
+        grad_in = h_in.grad.detach() if h_in.grad is not None else None
+        return grad_in, float(loss.detach()), correct
+
+    def _eval(self, x: torch.Tensor) -> torch.Tensor:
+        self.layers.eval()
+        try:
+            with torch.no_grad():
+                out: torch.Tensor = self.layers(x)
+        finally:
+            self.layers.train()
+        return out
+
+    # -- handlers ----------------------------------------------------------------
+    @handler
+    async def forward(self, msg: Forward) -> None:
+        b = msg.batch_id
+        await self.params.ready()
+        started = time.perf_counter()
+        self.trace("forward", b)
+        await self.rule.before_forward(self, msg)
+        h_in, h_out = await self.run_blocking(self._forward, msg.activations)
+        if self.last:
+            await self._loss_step(msg, h_in, h_out)
+        else:
+            out = Forward(b, msg.step_id, msg.parts, msg.weight, h_out.detach(), msg.labels)
+            if await self._send(self.downstream, out):
+                self.trace("sent_downstream", b)
+            await self._apply(b, await self.rule.after_forward(self, msg, h_in, h_out))
+        self.forwards += 1
+        self.forward_seconds += time.perf_counter() - started
+        await self.params.sync()
+
+    async def _loss_step(self, msg: Forward, h_in: torch.Tensor, logits: torch.Tensor) -> None:
+        """The last stage: the loss gives the true gradient at once (a step's micro-batches accumulate)."""
+        b = msg.batch_id
+        first, last = self.count_part(msg.step_id, msg.parts)
+        grad_in, loss, correct = await self.run_blocking(
+            self.loss_backward, h_in, logits, msg.labels, msg.weight, zero=first, step=last
+        )
+        self.trace("update" if last else "accumulate", b)
+        await self._send(self.monitor, LossReport(b, loss, correct, int(msg.labels.shape[0])))
+        await self._pass_upstream(b, grad_in)
+        await self._send(self.monitor, Done(b))
+
+    async def _apply(self, batch_id: int, outcome: Outcome) -> None:
+        if outcome.event is not None:
+            self.trace(outcome.event, batch_id)
+        if outcome.keep is not None:
+            self.keep(self._kept, batch_id, outcome.keep)
+        await self._pass_upstream(batch_id, outcome.upstream)
+        if outcome.done:
+            await self._send(self.monitor, Done(batch_id))
+
+    async def _pass_upstream(self, batch_id: int, grad_in: torch.Tensor | None) -> None:
+        if self.upstream is None or grad_in is None:
+            return
+        if await self._send(self.upstream, Gradient(batch_id, grad_in)):
+            self.trace("sent_upstream", batch_id)
+
+    @handler
+    async def gradient(self, msg: Gradient) -> None:
+        b = msg.batch_id
+        self.trace("gradient", b)
+        kept = self._kept.pop(b, None)
+        if kept is None:
+            self.late_gradients += 1
+            outcome = self.rule.on_late_gradient(b)
+        else:
+            self.staleness_sum += self.steps - kept.at_step
+            outcome = await self.rule.on_gradient(self, kept, msg)
+        await self._apply(b, outcome)
+        await self.params.sync()
+
+    @handler
+    async def raw_input(self, msg: RawInput) -> None:
+        await self.params.ready()
+        await self._apply(msg.batch_id, await self.rule.on_raw_input(self, msg))
+        await self.params.sync()
+
+    @handler
+    async def evaluate(self, msg: EvalForward) -> EvalOutput:
+        return EvalOutput(await self.run_blocking(self._eval, msg.activations))
+
+    @handler
+    def stats(self, msg: StatsRequest) -> StageStats:
+        sg, inputs = self.rule.sg, self.rule.input_model
+        sg_loss, self._sg_seen = sg.mean_loss_since(self._sg_seen) if sg is not None else (float("nan"), 0)
+        input_loss, self._input_seen = (
+            inputs.mean_loss_since(self._input_seen) if inputs is not None else (float("nan"), 0)
+        )
+        return StageStats(
+            self.ref.address,
+            self.steps,
+            sg.steps if sg is not None else 0,
+            sg_loss,
+            inputs.steps if inputs is not None else 0,
+            input_loss,
+            self.evictions,
+            self.late_gradients,
+            self.staleness_sum,
+            self.params.bytes_pushed,
+            self.params.bytes_pulled,
+        )
+
+    @handler
+    def state(self, msg: StateRequest) -> StageState:
+        names, tensors = [], []
+        for name, tensor in self.layers.state_dict().items():
+            names.append(name)
+            tensors.append(tensor.detach().clone())
+        return StageState(names, tensors)
+
+    @handler
+    def events(self, msg: TraceRequest) -> Trace:
+        return Trace(list(self._events), list(self._event_batches))

@@ -1,0 +1,134 @@
+"""The small models of synthetic-gradient rules: ``M(h) ≈ dL/dh`` and a stage's predicted input.
+
+Both are MLPs fitted by MSE with their own optimizer (torch's fused Adam: they
+are DNI's own overhead) and record their recent losses for stats and metrics.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..param_sync import make_optimizer
+
+__all__ = ["SyntheticGradient", "SyntheticInput"]
+
+
+def _mlp(in_features: int, out_features: int, hidden_layers: int, width: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    d = in_features
+    for _ in range(hidden_layers):
+        layers += [nn.Linear(d, width), nn.ReLU()]
+        d = width
+    layers.append(nn.Linear(d, out_features))
+    return nn.Sequential(*layers)
+
+
+class _Regressor(nn.Module):
+    """A small MLP fitted by MSE with its own optimizer; records its losses."""
+
+    def __init__(self, net: nn.Sequential, lr: float, optimizer: str, history: int) -> None:
+        super().__init__()
+        self.net = net
+        # an SG or input model is DNI's own overhead: its Adam runs fused (the layers' optimizer is torch's default,
+        # as in the single-process backprop it is compared with)
+        self.optimizer = make_optimizer(list(net.parameters()), optimizer, lr, fused=True)
+        self.losses: deque[float] = deque(maxlen=history)
+        """The most recent training losses (bounded)."""
+        self.steps = 0
+
+    def _fit(self, x: torch.Tensor, target: torch.Tensor) -> float:
+        pred = self.net(x)
+        loss = F.mse_loss(pred, target.detach())
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        self.optimizer.step()
+        value = float(loss.detach())
+        self.losses.append(value)
+        self.steps += 1
+        return value
+
+    def mean_loss_since(self, seen: int) -> tuple[float, int]:
+        """Mean of the losses recorded after step ``seen`` (NaN if none), and the step count now."""
+        if self.steps == seen:
+            return float("nan"), seen
+        fresh = min(self.steps - seen, len(self.losses))
+        recent = list(self.losses)[-fresh:]
+        return sum(recent) / len(recent), self.steps
+
+
+class SyntheticGradient(_Regressor):
+    """``M(h) ≈ dL/dh``: predicts the gradient of the loss at a stage's output.
+
+    ``hidden_layers`` ReLU layers of ``hidden_width`` units (0 hidden layers:
+    linear); with ``num_classes > 0`` the labels, one-hot, are appended to ``h``
+    (cDNI). The output layer is zero-initialised, so before any training the
+    synthetic gradient is exactly zero. Trained by :meth:`fit` (MSE, its own
+    optimizer) on the gradient that arrives later from downstream.
+    """
+
+    def __init__(
+        self,
+        features: int,
+        *,
+        num_classes: int = 0,
+        hidden_layers: int = 1,
+        hidden_width: int = 0,
+        lr: float = 1e-4,
+        optimizer: str = "adam",
+        history: int = 10_000,
+    ) -> None:
+        net = _mlp(features + num_classes, features, hidden_layers, hidden_width or features)
+        last = net[-1]
+        assert isinstance(last, nn.Linear)
+        nn.init.zeros_(last.weight)
+        nn.init.zeros_(last.bias)
+        super().__init__(net, lr, optimizer, history)
+        self.features = features
+        self.num_classes = num_classes
+
+    def _inputs(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        if not self.num_classes:
+            return h
+        if labels is None:
+            raise ValueError("a label-conditioned synthetic gradient (cDNI) needs the labels")
+        onehot = F.one_hot(labels.long(), self.num_classes).to(h.dtype)
+        return torch.cat([h, onehot], dim=1)
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The synthetic gradient for activations ``h`` (shape of ``h``)."""
+        out: torch.Tensor = self.net(self._inputs(h, labels))
+        return out
+
+    def fit(self, h: torch.Tensor, labels: torch.Tensor | None, target: torch.Tensor) -> float:
+        """One optimizer step of MSE regression of ``M(h)`` onto ``target``; returns the loss."""
+        return self._fit(self._inputs(h.detach(), labels), target)
+
+
+class SyntheticInput(_Regressor):
+    """Predicts a stage's input activations from the raw data (synthetic inputs)."""
+
+    def __init__(
+        self,
+        raw_features: int,
+        features: int,
+        *,
+        hidden_layers: int = 1,
+        hidden_width: int = 0,
+        lr: float = 1e-3,
+        optimizer: str = "adam",
+        history: int = 10_000,
+    ) -> None:
+        super().__init__(_mlp(raw_features, features, hidden_layers, hidden_width or features), lr, optimizer, history)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The predicted input activations for raw inputs ``x``."""
+        out: torch.Tensor = self.net(x)
+        return out
+
+    def fit(self, x: torch.Tensor, target: torch.Tensor) -> float:
+        """One MSE step towards the real activations ``target``; returns the loss."""
+        return self._fit(x, target)
