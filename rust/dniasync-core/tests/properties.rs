@@ -1,7 +1,10 @@
 //! Property tests of the store, optimizers and codecs against straightforward references.
 // Index loops read best when comparing several parallel arrays element by element.
 #![allow(clippy::needless_range_loop)]
-use dniasync_core::quant::{int8, onebit, threshold};
+use dniasync_core::quant::int8::{self, Int8Codec};
+use dniasync_core::quant::onebit::{self, OneBitCodec};
+use dniasync_core::quant::threshold::{self, ThresholdCodec};
+use dniasync_core::quant::Codec;
 use dniasync_core::{
     available_isas, with_isa, CoreError, Dense, Layout, NonFinitePolicy, Optimizer,
     OptimizerConfig, ParamStore, SegmentSpec,
@@ -232,46 +235,80 @@ proptest! {
         isa in prop::sample::select(available_isas()),
     ) {
         with_isa(isa, || {
-            // Applying a payload straight into the store == decoding it and stepping densely.
             let n = g.len();
-            let mut payload = Vec::new();
-            let mut codes = Vec::new();
-            let mut dense = vec![0f32; n];
             match which {
-                0 => {
-                    let mut enc = threshold::ThresholdEncoder::new(n, 0.5).unwrap();
-                    enc.encode(&g, &mut codes).unwrap();
-                    threshold::decode(&codes, 0.5, &mut dense).unwrap();
-                }
-                1 => {
-                    let mut enc = onebit::OneBitEncoder::new(n, 64).unwrap();
-                    enc.encode(&g, &mut payload).unwrap();
-                    onebit::decode(&payload, 64, &mut dense).unwrap();
-                }
-                _ => {
-                    int8::encode(&g, 32, &mut payload).unwrap();
-                    int8::decode(&payload, 32, &mut dense).unwrap();
-                }
+                0 => apply_equals_dense_step(ThresholdCodec::new(n, 0.5).unwrap(), &g, cfg, lr),
+                1 => apply_equals_dense_step(OneBitCodec::new(n, 64).unwrap(), &g, cfg, lr),
+                _ => apply_equals_dense_step(Int8Codec::new(n, 32).unwrap(), &g, cfg, lr),
             }
-            let (a, b) = (store(&[n], cfg), store(&[n], cfg));
-            let init: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
-            a.write(0, 0, &init).unwrap();
-            b.write(0, 0, &init).unwrap();
-            for _ in 0..2 {
-                match which {
-                    0 => a.step(0, &mut threshold::ThresholdGrad::new(&codes, 0.5, n).unwrap(), lr),
-                    1 => a.step(0, &mut onebit::OneBitGrad::new(&payload, n, 64).unwrap(), lr),
-                    _ => a.step(0, &mut int8::Int8Grad::new(&payload, n, 32).unwrap(), lr),
-                }.unwrap();
-                b.step_dense(0, &dense, lr).unwrap();
-            }
-            let (x, y) = (read(&a, 0, 0), read(&b, 0, 0));
-            for i in 0..n {
-                prop_assert!(close(x[i], y[i], 1e-5), "element {}: {} vs {}", i, x[i], y[i]);
-            }
-            Ok(())
         })?;
     }
+}
+
+/// Applying a payload straight into the store == decoding it and stepping densely.
+fn apply_equals_dense_step<C: Codec>(
+    codec: C,
+    g: &[f32],
+    cfg: OptimizerConfig,
+    lr: f32,
+) -> Result<(), TestCaseError> {
+    let n = codec.n();
+    let mut payload = Vec::new();
+    codec.encode(&mut codec.encoder(), g, &mut payload).unwrap();
+    let mut dense = vec![0f32; n];
+    codec.decode(&payload, &mut dense).unwrap();
+    let (a, b) = (store(&[n], cfg), store(&[n], cfg));
+    let init: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+    a.write(0, 0, &init).unwrap();
+    b.write(0, 0, &init).unwrap();
+    for _ in 0..2 {
+        a.step(0, &mut codec.grad(&payload).unwrap(), lr).unwrap();
+        b.step_dense(0, &dense, lr).unwrap();
+    }
+    let (x, y) = (read(&a, 0, 0), read(&b, 0, 0));
+    for i in 0..n {
+        prop_assert!(
+            close(x[i], y[i], 1e-5),
+            "element {}: {} vs {}",
+            i,
+            x[i],
+            y[i]
+        );
+    }
+    Ok(())
+}
+
+/// Through the trait: what is carried, what a reset forgets, what an add touches.
+fn carried_after_one_encode<C: Codec>(codec: C, g: &[f32]) -> (Vec<f32>, usize) {
+    let mut encoder = codec.encoder();
+    let mut payload = Vec::new();
+    codec.encode(&mut encoder, g, &mut payload).unwrap();
+    let carried = codec.carried(&encoder).to_vec();
+    codec.reset(&mut encoder);
+    assert!(codec.carried(&encoder).iter().all(|&x| x == 0.0));
+    assert!(codec.decode(&payload, &mut vec![0.0; g.len() + 1]).is_err());
+    (carried, codec.touched(&payload))
+}
+
+#[test]
+fn codecs_carry_what_was_not_sent() {
+    let g: Vec<f32> = (0..100).map(|i| i as f32 / 50.0 - 1.0).collect();
+    let mut enc = threshold::ThresholdEncoder::new(100, 0.5).unwrap();
+    let mut codes = Vec::new();
+    enc.encode(&g, &mut codes).unwrap();
+    let (residual, touched) = carried_after_one_encode(ThresholdCodec::new(100, 0.5).unwrap(), &g);
+    assert_eq!(
+        (residual.as_slice(), touched),
+        (enc.residual(), codes.len())
+    );
+
+    let mut enc = onebit::OneBitEncoder::new(100, 16).unwrap();
+    enc.encode(&g, &mut Vec::new()).unwrap();
+    let (error, touched) = carried_after_one_encode(OneBitCodec::new(100, 16).unwrap(), &g);
+    assert_eq!((error.as_slice(), touched), (enc.error(), 100));
+
+    let (nothing, touched) = carried_after_one_encode(Int8Codec::new(100, 16).unwrap(), &g);
+    assert_eq!((nothing.len(), touched), (0, 100));
 }
 
 #[test]

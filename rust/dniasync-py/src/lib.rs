@@ -3,6 +3,7 @@
 use pyo3::prelude::*;
 
 mod arrays;
+mod codec;
 mod errors;
 mod int8;
 mod onebit;

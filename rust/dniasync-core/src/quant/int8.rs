@@ -5,7 +5,7 @@
 //! Payload (little endian): `n_blocks` f32 scales, then `n` i8 codes.
 use crate::error::{check_len, invalid, CoreError, Result};
 use crate::grad::GradSource;
-use crate::quant::read_f32s;
+use crate::quant::{read_f32s, Codec};
 use crate::simd::{self, multiversion};
 
 /// Default block: 256 elements share a 4-byte scale, 3.94x overall.
@@ -27,6 +27,57 @@ pub fn payload_len(n: usize, block: usize) -> usize {
 /// Dense size over payload size.
 pub fn compression_ratio(n: usize, block: usize) -> f64 {
     (4 * n) as f64 / payload_len(n, block).max(1) as f64
+}
+
+/// 8-bit codec for vectors of `n` elements; payloads are bytes. Stateless: nothing is
+/// carried between encodes.
+#[derive(Clone, Copy, Debug)]
+pub struct Int8Codec {
+    n: usize,
+    block: usize,
+}
+
+impl Int8Codec {
+    pub fn new(n: usize, block: usize) -> Result<Self> {
+        check_block(block)?;
+        Ok(Int8Codec { n, block })
+    }
+
+    pub fn block(&self) -> usize {
+        self.block
+    }
+}
+
+impl Codec for Int8Codec {
+    type Code = u8;
+    type Encoder = ();
+    type Grad<'a> = Int8Grad<'a>;
+
+    fn n(&self) -> usize {
+        self.n
+    }
+
+    fn encoder(&self) {}
+
+    fn encode(&self, _encoder: &mut (), grad: &[f32], out: &mut Vec<u8>) -> Result<()> {
+        check_len("gradient", self.n, grad.len())?;
+        encode(grad, self.block, out)
+    }
+
+    fn carried<'e>(&self, _encoder: &'e ()) -> &'e [f32] {
+        &[]
+    }
+
+    fn reset(&self, _encoder: &mut ()) {}
+
+    fn decode(&self, payload: &[u8], out: &mut [f32]) -> Result<()> {
+        check_len("output buffer", self.n, out.len())?;
+        decode(payload, self.block, out)
+    }
+
+    fn grad<'a>(&'a self, payload: &'a [u8]) -> Result<Int8Grad<'a>> {
+        Int8Grad::new(payload, self.n, self.block)
+    }
 }
 
 /// Encodes `grad` into `out` (resized). Rejects NaN/Inf.

@@ -9,7 +9,7 @@
 //! `ceil(n / 8)` bytes of bits, element `i` at bit `i % 8` of byte `i / 8`.
 use crate::error::{check_len, invalid, CoreError, Result};
 use crate::grad::GradSource;
-use crate::quant::read_f32s;
+use crate::quant::{read_f32s, Codec};
 use crate::simd::{self, multiversion};
 
 /// Default block: 256 elements cost 8 bytes of reconstruction values, 25.6x overall.
@@ -35,6 +35,62 @@ pub fn compression_ratio(n: usize, block: usize) -> f64 {
     (4 * n) as f64 / payload_len(n, block).max(1) as f64
 }
 
+/// 1-bit codec for vectors of `n` elements; payloads are bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct OneBitCodec {
+    n: usize,
+    block: usize,
+}
+
+impl OneBitCodec {
+    pub fn new(n: usize, block: usize) -> Result<Self> {
+        check_block(block)?;
+        Ok(OneBitCodec { n, block })
+    }
+
+    pub fn block(&self) -> usize {
+        self.block
+    }
+}
+
+impl Codec for OneBitCodec {
+    type Code = u8;
+    type Encoder = OneBitEncoder;
+    type Grad<'a> = OneBitGrad<'a>;
+
+    fn n(&self) -> usize {
+        self.n
+    }
+
+    fn encoder(&self) -> OneBitEncoder {
+        OneBitEncoder {
+            block: self.block,
+            error: vec![0.0; self.n],
+        }
+    }
+
+    fn encode(&self, encoder: &mut OneBitEncoder, grad: &[f32], out: &mut Vec<u8>) -> Result<()> {
+        encoder.encode(grad, out)
+    }
+
+    fn carried<'e>(&self, encoder: &'e OneBitEncoder) -> &'e [f32] {
+        encoder.error()
+    }
+
+    fn reset(&self, encoder: &mut OneBitEncoder) {
+        encoder.reset();
+    }
+
+    fn decode(&self, payload: &[u8], out: &mut [f32]) -> Result<()> {
+        check_len("output buffer", self.n, out.len())?;
+        decode(payload, self.block, out)
+    }
+
+    fn grad<'a>(&'a self, payload: &'a [u8]) -> Result<OneBitGrad<'a>> {
+        OneBitGrad::new(payload, self.n, self.block)
+    }
+}
+
 /// Sender state: the block size and the error carried between steps.
 pub struct OneBitEncoder {
     block: usize,
@@ -43,11 +99,7 @@ pub struct OneBitEncoder {
 
 impl OneBitEncoder {
     pub fn new(n: usize, block: usize) -> Result<Self> {
-        check_block(block)?;
-        Ok(OneBitEncoder {
-            block,
-            error: vec![0.0; n],
-        })
+        Ok(OneBitCodec::new(n, block)?.encoder())
     }
 
     pub fn block(&self) -> usize {

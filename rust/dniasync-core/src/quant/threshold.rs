@@ -9,10 +9,82 @@
 use crate::error::{check_len, invalid, CoreError, Result};
 use crate::grad::GradSource;
 use crate::optim::SIGN_BIT;
+use crate::quant::Codec;
 use crate::simd::{self, multiversion};
 
 /// Largest vector the 31-bit index can address.
 pub const MAX_LEN: usize = 1 << 31;
+
+/// Threshold codec for vectors of `n` elements; payloads are `u32` codes.
+#[derive(Clone, Copy, Debug)]
+pub struct ThresholdCodec {
+    n: usize,
+    tau: f32,
+}
+
+impl ThresholdCodec {
+    pub fn new(n: usize, tau: f32) -> Result<Self> {
+        check_tau(tau)?;
+        if n > MAX_LEN {
+            return Err(invalid(format!(
+                "threshold codes address at most 2^31 elements, got {n}"
+            )));
+        }
+        Ok(ThresholdCodec { n, tau })
+    }
+
+    pub fn tau(&self) -> f32 {
+        self.tau
+    }
+}
+
+impl Codec for ThresholdCodec {
+    type Code = u32;
+    type Encoder = ThresholdEncoder;
+    type Grad<'a> = ThresholdGrad<'a>;
+
+    fn n(&self) -> usize {
+        self.n
+    }
+
+    fn encoder(&self) -> ThresholdEncoder {
+        ThresholdEncoder {
+            tau: self.tau,
+            residual: vec![0.0; self.n],
+        }
+    }
+
+    fn encode(
+        &self,
+        encoder: &mut ThresholdEncoder,
+        grad: &[f32],
+        out: &mut Vec<u32>,
+    ) -> Result<()> {
+        encoder.encode(grad, out)
+    }
+
+    fn carried<'e>(&self, encoder: &'e ThresholdEncoder) -> &'e [f32] {
+        encoder.residual()
+    }
+
+    fn reset(&self, encoder: &mut ThresholdEncoder) {
+        encoder.reset();
+    }
+
+    fn decode(&self, codes: &[u32], out: &mut [f32]) -> Result<()> {
+        check_len("output buffer", self.n, out.len())?;
+        decode(codes, self.tau, out)
+    }
+
+    fn grad<'a>(&'a self, codes: &'a [u32]) -> Result<ThresholdGrad<'a>> {
+        ThresholdGrad::new(codes, self.tau, self.n)
+    }
+
+    /// Only the coded elements change.
+    fn touched(&self, codes: &[u32]) -> usize {
+        codes.len()
+    }
+}
 
 /// Sender state: the threshold and the residual carried between steps.
 pub struct ThresholdEncoder {
@@ -22,16 +94,7 @@ pub struct ThresholdEncoder {
 
 impl ThresholdEncoder {
     pub fn new(n: usize, tau: f32) -> Result<Self> {
-        check_tau(tau)?;
-        if n > MAX_LEN {
-            return Err(invalid(format!(
-                "threshold codes address at most 2^31 elements, got {n}"
-            )));
-        }
-        Ok(ThresholdEncoder {
-            tau,
-            residual: vec![0.0; n],
-        })
+        Ok(ThresholdCodec::new(n, tau)?.encoder())
     }
 
     pub fn tau(&self) -> f32 {
