@@ -9,14 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dniasync.cluster.config import (
-    Config,
-    ConfigError,
-    DownpourConfig,
-    HogwildConfig,
-    load_config,
-    parse_config,
-)
+from dniasync.cluster.config import Config, ConfigError, load_config, parse_config
+from dniasync.cluster.modes.downpour import DownpourConfig
+from dniasync.cluster.modes.hogwild import HogwildConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ["downpour_mnist.toml", "downpour_mnist_threshold.toml", "hogwild_mnist.toml"]
@@ -69,15 +64,13 @@ def test_shipped_examples_parse_and_round_trip(name: str) -> None:
 
 def test_example_settings_match_the_issue() -> None:
     downpour = load_config(ROOT / "examples" / "downpour_mnist.toml")
-    assert downpour.downpour.n_replicas == 2 and downpour.downpour.n_ps_shards == 2
-    assert downpour.optimizer.name == "adagrad" and downpour.downpour.codec == "none"
+    assert downpour.settings.n_replicas == 2 and downpour.settings.n_ps_shards == 2
+    assert downpour.optimizer.name == "adagrad" and downpour.settings.codec == "none"
     threshold = load_config(ROOT / "examples" / "downpour_mnist_threshold.toml")
-    assert threshold.downpour.codec == "threshold" and threshold.downpour.tau is not None
+    assert threshold.settings.codec == "threshold" and threshold.settings.tau is not None
     assert threshold.to_dict() | {"job": {}, "downpour": {}} == downpour.to_dict() | {"job": {}, "downpour": {}}
     hogwild = load_config(ROOT / "examples" / "hogwild_mnist.toml")
-    assert hogwild.hogwild.n_workers == 2
-    with pytest.raises(ConfigError, match="not 'downpour'"):
-        hogwild.downpour
+    assert hogwild.settings == HogwildConfig(n_workers=2)
 
 
 def test_defaults_fill_in() -> None:
@@ -88,11 +81,11 @@ def test_defaults_fill_in() -> None:
             "data": {"dataset": "digits", "n_train": 100, "n_test": 50},
         }
     )
-    assert config.job.name == "dniasync-job" and config.job.output_dir == "runs/dniasync-job"
+    assert config.job.name == "dniasync-job" and config.output_dir == "runs/dniasync-job"
     assert config.settings == DownpourConfig()
-    assert config.optimizer.name == "adagrad" and config.optimizer.eps == 1e-10
+    assert config.optimizer.name == "adagrad" and config.optimizer.epsilon == 1e-10
     assert config.data.batch_size == 32
-    assert config.eval.every_seconds == 2.0 and config.eval.every_steps is None
+    assert config.eval.interval_s == 2.0 and config.eval.every_steps is None
     assert config.stop.max_epochs == 10 and config.stop.target_accuracy is None
 
 
@@ -102,9 +95,9 @@ def test_mode_specific_values() -> None:
     raw["optimizer"] = {"name": "adam", "lr": 1e-3, "betas": [0.8, 0.99], "eps": 1e-7}
     raw["eval"] = {"every_steps": 50}
     config = parse_config(raw)
-    assert config.downpour.tau == 0.005 and config.downpour.max_staleness == 4
+    assert config.settings.tau == 0.005 and config.settings.max_staleness == 4
     assert config.optimizer.betas == (0.8, 0.99) and config.optimizer.eps == 1e-7
-    assert config.eval.every_steps == 50 and config.eval.every_seconds is None
+    assert config.eval.every_steps == 50 and config.eval.interval_s is None
     assert parse_config(config.to_dict()) == config
     hogwild = parse_config(base("hogwild"))
     assert hogwild.settings == HogwildConfig(n_workers=2)
@@ -135,7 +128,7 @@ BAD: list[tuple[str, Any, str, str]] = [
     ("hogwild", {"n_workers": 2}, "hogwild", "section '\\[hogwild\\]' does not apply"),
     ("job", DELETE, "job", "missing required section '\\[job\\]'"),
     ("model", 3, "model", "'model' must be a table"),
-    ("job.mode", "spectrain", "job.mode", "'job.mode' is 'spectrain'; choose one of 'downpour', 'hogwild', 'dni'"),
+    ("job.mode", "spectrain", "job.mode", "'job.mode' is 'spectrain'; choose one of 'downpour', 'hogwild', 'pipeline'"),
     ("job.mode", DELETE, "job.mode", "missing required key 'job.mode'"),
     ("job.name", "a b", "job.name", "'job.name' must use only"),
     ("job.seed", -1, "job.seed", "'job.seed' must be at least 0"),

@@ -8,7 +8,8 @@ import pytest
 from dniasync import ActorSystem
 from dniasync.train.compression import make_codec
 from dniasync.train.messages import Fence, Params, Pull, Push, ShardStats
-from dniasync.train.ps import PSShard, ShardSettings
+from dniasync.train.ps import PSShard
+from dniasync.train.specs import CodecSpec, OptimizerSpec, ShardSpec
 from dniasync.train.staleness import StalenessPolicy
 
 N = 8
@@ -19,9 +20,10 @@ def push(seq: int, grad: float | np.ndarray, *, replica: str = "r0", incarnation
     return Push(replica, incarnation, seq, version, "none", values.view(np.uint8), 32)
 
 
-async def spawn_shard(system: ActorSystem, **settings: object) -> object:
-    return await system.spawn(PSShard, 0, np.zeros(N, np.float32), ShardSettings(optimizer="sgd", **settings),
-                              name="ps-0")
+async def spawn_shard(system: ActorSystem, lr: float = 0.01, staleness: str = "none", max_staleness: int = 0) -> object:
+    spec = ShardSpec(0, 0, np.zeros(N, np.float32), OptimizerSpec("sgd", lr), staleness=staleness,
+                     max_staleness=max_staleness)
+    return await system.spawn(PSShard, spec, name="ps-0")
 
 
 async def values(ref: object) -> tuple[int, np.ndarray]:
@@ -58,7 +60,7 @@ async def test_old_incarnations_and_fenced_replicas_are_refused() -> None:
 
 async def test_inverse_staleness_divides_the_learning_rate() -> None:
     async with ActorSystem() as system:
-        shard = await spawn_shard(system, lr=0.5, staleness=StalenessPolicy("inverse"))
+        shard = await spawn_shard(system, lr=0.5, staleness="inverse")
         base, _ = await values(shard)
         # all three computed on the base version: staleness 0, 1, 2 -> lr 0.5, 0.5, 0.25
         for seq in (1, 2, 3):
@@ -72,7 +74,7 @@ async def test_inverse_staleness_divides_the_learning_rate() -> None:
 
 async def test_bound_staleness_drops_and_counts_stale_pushes() -> None:
     async with ActorSystem() as system:
-        shard = await spawn_shard(system, lr=1.0, staleness=StalenessPolicy("bound", max_staleness=1))
+        shard = await spawn_shard(system, lr=1.0, staleness="bound", max_staleness=1)
         base, _ = await values(shard)
         for seq in (1, 2, 3, 4):
             await shard.tell(push(seq, 1.0, version=base))  # type: ignore[attr-defined]  # staleness 0, 1, 2, 2
@@ -102,10 +104,8 @@ async def test_nonfinite_gradients_are_rejected_and_counted() -> None:
 async def test_quantized_pushes_apply_straight_into_the_store() -> None:
     tau = 0.25
     async with ActorSystem() as system:
-        shard = await system.spawn(
-            PSShard, 0, np.zeros(N, np.float32), ShardSettings(optimizer="sgd", lr=1.0, codec="threshold", tau=tau),
-            name="ps-0",
-        )
+        spec = ShardSpec(0, 0, np.zeros(N, np.float32), OptimizerSpec("sgd", 1.0), CodecSpec("threshold", tau))
+        shard = await system.spawn(PSShard, spec, name="ps-0")
         codec = make_codec("threshold", N, tau=tau)
         grad = np.array([0.3, -0.3, 0.1, 0.0, 0.5, -0.6, 0.2, 0.24], np.float32)
         sent = codec.compress(grad)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import types
 import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
-from ._errors import UnhandledMessage
+from ._errors import ActorError, UnhandledMessage
 from ._supervision import Directive, SupervisorStrategy, one_for_one
 
 if TYPE_CHECKING:
@@ -172,6 +173,22 @@ class Actor:
         return await self._cell.system.spawn_child(
             self._cell, cls, args, kwargs, name=name, mailbox_size=mailbox_size, supervision=supervision
         )
+
+    def send_later(self, delay: float, msg: Any) -> asyncio.TimerHandle:
+        """Tell this actor ``msg`` after ``delay`` seconds: a timer, a retry, a poll.
+
+        Dropped silently if the actor has stopped (or its mailbox is full) by
+        then; cancel the returned handle to take it back.
+        """
+        ref = self.ref
+
+        def deliver() -> None:
+            try:
+                ref.tell_nowait(msg)
+            except ActorError:
+                pass
+
+        return asyncio.get_running_loop().call_later(delay, deliver)
 
     def stop(self) -> None:
         """Stop this actor after the current message; pending messages fail."""

@@ -54,7 +54,7 @@ def message(tag: str) -> typing.Callable[[type[T]], type[T]]:
         if not dataclasses.is_dataclass(cls):
             cls = dataclass(frozen=True)(cls)
         known = _by_tag.get(tag)
-        if known is not None and known.cls.__qualname__ != cls.__qualname__:
+        if known is not None and (known.cls.__module__, known.cls.__qualname__) != (cls.__module__, cls.__qualname__):
             raise ValueError(f"message tag {tag!r} already registered for {known.cls.__qualname__}")
         spec = MessageSpec(tag, cls, tuple(f.name for f in dataclasses.fields(cls)))  # type: ignore[arg-type]
         if known is not None:

@@ -32,8 +32,7 @@ from ._membership import GetMembers, Members
 from ._roles import NodeContext
 
 if TYPE_CHECKING:
-    from ..cluster.coordinator import TrainingCoordinator
-    from ..cluster.dni_job import DNIJob
+    from ..cluster.job import JobRunner
 
 __all__ = ["LivePage"]
 
@@ -70,12 +69,11 @@ class LivePage:
         self.transport.spawn_task(self._sample_forever(), "live-page-sampler")
 
     # -- sampling -----------------------------------------------------------------------
-    def _trainer(self) -> TrainingCoordinator | DNIJob | None:
-        from ..cluster.coordinator import TrainingCoordinator  # only the coordinator node needs torch
-        from ..cluster.dni_job import DNIJob
+    def _trainer(self) -> JobRunner | None:
+        from ..cluster.job import JobRunner  # only the coordinator node needs torch
 
         for trainer in self.metrics.tracked(TRAINERS):
-            if isinstance(trainer, TrainingCoordinator | DNIJob):
+            if isinstance(trainer, JobRunner):
                 return trainer
         return None
 
@@ -110,7 +108,7 @@ class LivePage:
             "staleness_mean": (now[4] - last[4]) / (now[5] - last[5]) if now[5] > last[5] else None,
         })
 
-    async def _staleness(self, trainer: TrainingCoordinator | DNIJob) -> tuple[int, int]:
+    async def _staleness(self, trainer: JobRunner) -> tuple[int, int]:
         """Sum and count of push staleness over every PS shard; refreshes the histogram."""
         shards = [ref for ref in trainer.ps if ref is not None]
         if not shards:

@@ -23,7 +23,8 @@ from typing import IO, Any
 from ..actors import ActorError, ActorSystem
 from ..cluster.config import Config, ConfigError, load_config
 from ..remote import WebSocketTransport
-from ..train.messages import COORDINATOR_NAME, JobStatus, JobStatusReply
+from ..cluster.modes import get_mode
+from ..cluster.protocol import COORDINATOR_NAME, JobStatus, JobStatusReply
 
 __all__ = ["run_local"]
 
@@ -130,19 +131,6 @@ def _bar(status: JobStatusReply, width: int = 24) -> str:
     )
 
 
-def _processes(config: Config) -> tuple[int, int]:
-    """(PS processes, worker processes) the job needs."""
-    if config.mode == "downpour":
-        return config.downpour.n_ps_shards, config.n_data_shards
-    if config.mode == "dni":  # a PS shard per layer group only when groups are replicated
-        return (len(config.dni.groups) if config.dni.replicas > 1 else 0), config.dni.n_workers
-    return 0, config.n_data_shards
-
-
-def _worker_kind(config: Config) -> str:
-    return {"downpour": "replica", "dni": "layer-group worker"}.get(config.mode, "worker")
-
-
 def _summary(config: Config, status: JobStatusReply, out: IO[str]) -> None:
     doc: dict[str, Any] = {}
     if status.summary and Path(status.summary).exists():
@@ -155,17 +143,8 @@ def _summary(config: Config, status: JobStatusReply, out: IO[str]) -> None:
           f" {doc.get('samples', status.samples):,} samples ({doc.get('samples_per_s', 0):,.0f} samples/s)", file=out)
     if doc.get("time_to_target_s") is not None:
         print(f"  time to target     {doc['time_to_target_s']:.1f} s", file=out)
-    if config.mode == "downpour":
-        print(f"  bytes pushed       {doc.get('bytes_pushed', 0):,} (codec {config.downpour.codec})", file=out)
-        print(f"  bytes pulled       {doc.get('bytes_pulled', 0):,}", file=out)
-    if config.mode == "dni":
-        metrics = doc.get("metrics", {})
-        print(f"  layer groups       {len(config.dni.groups)} x {config.dni.replicas} pipeline(s),"
-              f" variant {config.dni.variant}{' + synthetic inputs' if config.dni.synthetic_inputs else ''},"
-              f" {metrics.get('train_samples_per_s', 0):,.0f} training samples/s", file=out)
-        for key in sorted(k for k in metrics if k.endswith("_sg_loss_last")):
-            group = key.removesuffix("_sg_loss_last")
-            print(f"  {group + ' SG loss':18s} {metrics[group + '_sg_loss_first']:.3g} -> {metrics[key]:.3g}", file=out)
+    for line in get_mode(config.mode).summary_lines(config, doc):
+        print(line, file=out)
     for event in doc.get("events", []):
         if event.get("kind") != "replica_joined":
             details = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("kind", "wall_s"))
@@ -175,7 +154,7 @@ def _summary(config: Config, status: JobStatusReply, out: IO[str]) -> None:
 
 
 async def _run(config_path: str, config: Config, out: IO[str]) -> int:
-    cluster = _Cluster(Path(config.job.output_dir))
+    cluster = _Cluster(Path(config.output_dir))
     cluster.out.mkdir(parents=True, exist_ok=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -200,7 +179,8 @@ async def _run(config_path: str, config: Config, out: IO[str]) -> int:
             future.add_done_callback(noted)
             return future
 
-        n_ps, n_workers = _processes(config)
+        mode = get_mode(config.mode)
+        n_ps, n_workers = mode.processes(config)
         for i in range(n_ps):
             child = await _spawn(cluster, "ps", i, join)
             pumps.append(asyncio.create_task(_pump(child, listening_at(child))))
@@ -209,7 +189,7 @@ async def _run(config_path: str, config: Config, out: IO[str]) -> int:
             pumps.append(asyncio.create_task(_pump(child, listening_at(child))))
         cluster.write_files(config.job.name)
         print(f"{config.job.name}: coordinator on {coordinator.address}, {n_ps} PS shard(s), "
-              f"{n_workers} {_worker_kind(config)}(s); "
+              f"{n_workers} {mode.worker_kind}(s); "
               f"logs in {cluster.out / 'logs'}", file=out, flush=True)
         print(f"live page: http://{coordinator.address}/ (Prometheus targets: {cluster.out / PROMETHEUS_TARGETS})",
               file=out, flush=True)

@@ -9,7 +9,6 @@ are applied straight into the store, never expanded into a dense buffer.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -18,10 +17,11 @@ from .. import _core
 from ..actors import Actor, handler
 from .compression import Codec, CompressedTensor, make_codec
 from .messages import Fence, Params, Pull, Push, ShardStats
+from .specs import OptimizerSpec, ShardSpec
 from .staleness import PushLedger, PushVerdict, StalenessPolicy
 from .telemetry import track_ps_shard
 
-__all__ = ["PSShard", "ShardSettings", "make_store", "SEGMENT"]
+__all__ = ["PSShard", "make_store", "SEGMENT"]
 
 log = logging.getLogger("dniasync.train.ps")
 
@@ -30,33 +30,10 @@ STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
 """Upper bounds of the staleness histogram kept per shard (the last bucket is open)."""
 
 
-@dataclass(frozen=True)
-class ShardSettings:
-    """How a shard updates: optimizer, lr, staleness policy and the codec it accepts."""
-
-    optimizer: str = "adagrad"
-    lr: float = 0.01
-    momentum: float = 0.9
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float | None = None
-    weight_decay: float = 0.0
-    staleness: StalenessPolicy = field(default_factory=StalenessPolicy)
-    codec: str = "none"
-    tau: float = 1e-3
-    block: int = 256
-
-
-def make_store(settings: ShardSettings, n: int, segment: str = SEGMENT, shm_name: str | None = None) -> _core.ParamStore:
-    """A one-segment store with the shard's optimizer."""
+def make_store(optimizer: OptimizerSpec, n: int, segment: str = SEGMENT, shm_name: str | None = None) -> _core.ParamStore:
+    """A one-segment store with ``optimizer``'s state."""
     return _core.ParamStore(
-        [(segment, n)],
-        settings.optimizer,  # type: ignore[arg-type]  # validated by the job config
-        momentum=settings.momentum,
-        beta1=settings.betas[0],
-        beta2=settings.betas[1],
-        eps=settings.eps,
-        weight_decay=settings.weight_decay,
-        shm_name=shm_name,
+        [(segment, n)], optimizer.name, shm_name=shm_name, **optimizer.store_options()  # type: ignore[arg-type]
     )
 
 
@@ -65,17 +42,18 @@ class PSShard(Actor):
 
     mailbox_size = 256
 
-    def __init__(self, shard: int, values: np.ndarray, settings: ShardSettings) -> None:
-        self.shard = shard
-        self.settings = settings
-        self.n = int(values.size)
-        self.store = make_store(settings, self.n)
-        self.store.write(SEGMENT, np.ascontiguousarray(values, dtype=np.float32).reshape(-1))
+    def __init__(self, spec: ShardSpec) -> None:
+        self.shard = spec.shard
+        self.spec = spec
+        self.lr = spec.optimizer.lr
+        self.staleness = StalenessPolicy(spec.staleness, spec.max_staleness)
+        self.n = int(spec.values.size)
+        self.store = make_store(spec.optimizer, self.n)
+        self.store.write(SEGMENT, np.ascontiguousarray(spec.values, dtype=np.float32).reshape(-1))
         self.codecs: dict[str, Codec] = {"none": make_codec("none", self.n)}
-        if settings.codec != "none":
-            self.codecs[settings.codec] = make_codec(
-                settings.codec, self.n, tau=settings.tau, block=settings.block  # type: ignore[arg-type]
-            )
+        codec = spec.codec
+        if codec.name != "none":
+            self.codecs[codec.name] = make_codec(codec.name, self.n, tau=codec.tau, block=codec.block)  # type: ignore[arg-type]
         self.ledger = PushLedger()
         self.fenced: set[str] = set()
         self.applied = 0
@@ -106,7 +84,7 @@ class PSShard(Actor):
             return
         self.ledger.record(msg.replica, msg.incarnation, msg.seq)
         version = self.version
-        decision = self.settings.staleness.decide(self.settings.lr, version, min(msg.version, version))
+        decision = self.staleness.decide(self.lr, version, min(msg.version, version))
         self._observe_staleness(decision.staleness)
         if not decision.apply:
             self.rejected["stale"] += 1
@@ -115,7 +93,7 @@ class PSShard(Actor):
         if codec is None:
             self.rejected["bad_payload"] += 1
             log.warning("shard %d: push from %s with codec %r, expected %r", self.shard, msg.replica, msg.codec,
-                        self.settings.codec)
+                        self.spec.codec.name)
             return
         payload = np.ascontiguousarray(msg.payload, dtype=np.uint8).reshape(-1)
         try:

@@ -1,0 +1,91 @@
+"""Worker-side hosting: one "ask until assigned" client for every node that serves a job.
+
+A :class:`Host` runs on each PS and worker node. It asks the job runner for
+work (:class:`~dniasync.cluster.protocol.JoinJob`) with jittered exponential
+backoff until it is assigned, lets the job's mode spawn what the assignment's
+spec describes, and reports the spawned refs
+(:class:`~dniasync.cluster.protocol.Ready`) until the runner acknowledges.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+from ..actors import Actor, ActorError, ActorNotFound, ActorRef, handler, message
+from .protocol import Assignment, JoinJob, NoJob, Ready
+
+__all__ = ["Host", "backoff_delays"]
+
+log = logging.getLogger("dniasync.cluster.hosts")
+
+
+@message("dniasync.cluster.hosts.Attempt")
+@dataclass(frozen=True)
+class _Attempt:
+    pass
+
+
+def backoff_delays(first: float, cap: float) -> float:
+    """The next delay after ``first`` seconds: doubled, capped, with up to 20% jitter."""
+    return min(cap, first * 2) * random.uniform(0.8, 1.0)
+
+
+class Host(Actor):
+    """Asks the runner at ``coordinator`` (``trainer@host:port``) for a ``role`` to serve, then serves it."""
+
+    def __init__(self, coordinator: str, role: str, *, retry_s: float = 0.2, max_retry_s: float = 2.0) -> None:
+        self.coordinator_address = coordinator
+        self.role = role
+        self.retry_s = retry_s
+        self.max_retry_s = max_retry_s
+        self._delay = retry_s
+        self.incarnation = time.time_ns() // 1000
+        self.ready: Ready | None = None
+        """What to tell the runner once it answers (a busy machine may drop a connection meanwhile)."""
+        self.hosted: list[ActorRef] = []
+
+    async def on_start(self) -> None:
+        self.ref.tell_nowait(_Attempt())
+
+    def _retry(self) -> None:
+        self.send_later(self._delay, _Attempt())
+        self._delay = backoff_delays(self._delay, self.max_retry_s)
+
+    @handler
+    async def attempt(self, msg: _Attempt) -> None:
+        runner = self.system.ref(self.coordinator_address)
+        if self.ready is not None:
+            await self._announce(runner, self.ready)
+            return
+        try:
+            reply = await runner.ask(JoinJob(self.ref.address, self.role, self.incarnation), timeout=10.0)
+        except ActorNotFound:
+            log.info("%s host: the coordinator runs no training job; idle", self.role)
+            return
+        except ActorError as exc:
+            log.info("%s host: coordinator not reachable yet (%s); retrying", self.role, exc)
+            self._retry()
+            return
+        if isinstance(reply, NoJob):
+            if reply.retry:
+                self._retry()
+            else:
+                log.info("%s host: nothing to host: %s", self.role, reply.reason)
+            return
+        assert isinstance(reply, Assignment)
+        from .modes import host_spec
+
+        self.hosted = await host_spec(self, reply.spec)
+        self._delay = self.retry_s
+        self.ready = Ready(self.ref.address, self.incarnation, list(self.hosted))
+        await self._announce(runner, self.ready)
+
+    async def _announce(self, runner: ActorRef, ready: Ready) -> None:
+        try:
+            await runner.ask(ready, timeout=10.0)
+        except ActorError as exc:
+            log.info("%s host: could not report ready (%s); retrying", self.role, exc)
+            self._retry()

@@ -1,0 +1,327 @@
+"""The job runner: one lifecycle for every training mode.
+
+:class:`JobRunner` (named ``trainer`` on the coordinator node) owns what every
+job has: placing the PS shards the mode asks for, answering the hosts that
+join, the evaluation schedule, the stop rules, the run report, the status
+reply and failure handling. What differs between modes — what a worker hosts,
+how training starts, how weights are taken for evaluation, how samples are
+counted — is the mode's :class:`~dniasync.cluster.modes.ModeJob`.
+
+Its state survives the failure of anything it talks to: a failed ask is an
+event in the run, never a reset of the lifecycle. Evaluations run in a task
+of their own, so the stop rules (``max_seconds``, ``max_epochs``, the
+target) are checked on time whatever an evaluation waits for. A PS shard
+that stays unreachable for :data:`PS_LOST_AFTER_S` ends the job, as failed,
+naming the shard; every ending writes the summary for the time that ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Final
+
+from ..actors import Actor, ActorError, ActorRef, handler, message
+from ..train.messages import Progress
+from .config import Config
+from .modes import JobFailed, ModeJob, Snapshot, get_mode
+from .protocol import Assignment, JobStatus, JobStatusReply, JoinJob, NoJob, Ready
+from .report import RunReport
+from .telemetry import track_trainer
+
+__all__ = ["EVENT_EVAL_FAILED", "EVENT_PS_DOWN", "JobRunner", "MAX_DEFERRED_SNAPSHOTS", "PS_LOST_AFTER_S"]
+
+log = logging.getLogger("dniasync.cluster.job")
+
+PS_LOST_AFTER_S: Final = 15.0
+"""A PS shard unreachable this long ends the job (a freeze of a few seconds is survived)."""
+MAX_DEFERRED_SNAPSHOTS: Final = 256
+"""``eval.deferred`` keeps at most this many sets of weights; beyond, the oldest is scored at once."""
+EVAL_TIMEOUT_S: Final = 30.0
+TICK_S: Final = 0.25
+
+EVENT_EVAL_FAILED: Final = "eval_failed"
+EVENT_PS_DOWN: Final = "ps_down"
+EVENT_PS_UP: Final = "ps_up"
+EVENT_PS_LOST: Final = "ps_lost"
+EVENT_JOB_FAILED: Final = "job_failed"
+
+
+@message("dniasync.cluster.job.Tick")
+@dataclass(frozen=True)
+class _Tick:
+    pass
+
+
+class JobRunner(Actor):
+    """Runs one job of any mode over the hosts that join it."""
+
+    mailbox_size = 0
+
+    def __init__(self, config: Config, *, liveness_s: float = 3.0, finished: asyncio.Event | None = None) -> None:
+        self.config = config
+        self.liveness_s = liveness_s
+        self.finished = finished or asyncio.Event()
+        self.state = "waiting"
+        self.started_at: float | None = None
+        self.accuracy: float | None = None
+        self.loss: float | None = None
+        self.samples_per_s = 0.0
+        self.summary_path = ""
+        self.ps: list[ActorRef | None] = []
+        self._ps_hosts: dict[str, int] = {}
+        self._ps_down: dict[int, float] = {}
+        self._rate = (0.0, 0)
+        self._next_eval_steps = config.eval.every_steps or 0
+        self._last_eval_wall = 0.0
+        self._eval_task: asyncio.Task[None] | None = None
+        self._deferred: deque[Snapshot] = deque()
+        self._ending: asyncio.Task[None] | None = None
+        self._wall_at_end: float | None = None
+
+    # -- setup ------------------------------------------------------------------
+    async def on_start(self) -> None:
+        self.report = RunReport(self.config.job.name, self.config.mode,
+                                target_accuracy=self.config.stop.target_accuracy, config=self.config.to_dict())
+        self.job: ModeJob = await self.run_blocking(get_mode(self.config.mode).job, self.config, self)
+        self.ps_specs = self.job.ps_shards()
+        self.ps = [None] * len(self.ps_specs)
+        track_trainer(self.system, self)
+        self.ref.tell_nowait(_Tick())
+
+    async def on_stop(self) -> None:
+        for task in (self._eval_task, self._ending):
+            if task is not None and not task.done():
+                task.cancel()
+        await self.job.close()
+
+    # -- clock ------------------------------------------------------------------
+    def wall(self) -> float:
+        """Seconds since training started (frozen once the job ended)."""
+        if self._wall_at_end is not None:
+            return self._wall_at_end
+        return 0.0 if self.started_at is None else time.monotonic() - self.started_at
+
+    def mark_started(self) -> None:
+        """Training has begun: the clock starts (called by the mode)."""
+        if self.started_at is None:
+            self.started_at = time.monotonic()
+            self.state = "training"
+
+    def event(self, kind: str, **details: Any) -> None:
+        self.report.record_event(self.wall(), kind, **details)
+
+    # -- hosts ------------------------------------------------------------------
+    @handler
+    async def join(self, msg: JoinJob) -> Assignment | NoJob:
+        if self.state in ("finished", "failed"):
+            return NoJob(f"the job has {self.state}", retry=False)
+        if msg.role == "ps":
+            return self._place_ps(msg)
+        if any(ref is None for ref in self.ps):
+            return NoJob("waiting for the PS shards", retry=True)
+        try:
+            return self.job.assign(msg)
+        except JobFailed as exc:
+            self._fail(exc)
+            return NoJob(str(exc), retry=False)
+
+    def _place_ps(self, msg: JoinJob) -> Assignment | NoJob:
+        shard = self._ps_hosts.get(msg.member)
+        if shard is None:
+            placed = set(self._ps_hosts.values())
+            free = [k for k in range(len(self.ps_specs)) if k not in placed]
+            if not free:
+                return NoJob("every PS shard is hosted", retry=False)
+            shard = self._ps_hosts[msg.member] = free[0]
+            log.info("PS shard %d (%d parameters) goes to %s", shard, self.ps_specs[shard].values.size, msg.member)
+        return Assignment(self.ps_specs[shard])
+
+    @handler
+    async def ready(self, msg: Ready) -> bool:
+        shard = self._ps_hosts.get(msg.member)
+        if shard is not None:
+            self.ps[shard] = msg.refs[0]
+            if all(ref is not None for ref in self.ps):
+                log.info("all %d PS shards ready", len(self.ps))
+            return True
+        try:
+            await self.job.ready(msg)
+        except JobFailed as exc:
+            self._fail(exc)
+        return True
+
+    @handler
+    def progress(self, msg: Progress) -> None:
+        self.job.progress(msg)
+        if self._ending is None and self.samples() >= self._sample_budget():
+            self.ref.tell_nowait(_Tick())  # the epoch budget is spent: stop now, not at the next tick
+
+    # -- the tick: liveness, evaluation, stop rules ---------------------------------
+    @handler
+    async def tick(self, msg: _Tick) -> None:
+        if self._ending is not None:
+            return
+        try:
+            self._check_ps()
+            self.job.check(time.monotonic())
+            if self.state == "training":
+                self._maybe_evaluate()
+                reason = self._stop_reason()
+                if reason is not None:
+                    self._end(reason)
+                    return
+        except JobFailed as exc:
+            self._fail(exc)
+            return
+        self.send_later(min(TICK_S, self.config.eval.interval_s or TICK_S), _Tick())
+
+    def _check_ps(self) -> None:
+        now = time.monotonic()
+        for k, ref in enumerate(self.ps):
+            if ref is None:
+                continue
+            if ref.is_alive:
+                if self._ps_down.pop(k, None) is not None:
+                    self.event(EVENT_PS_UP, shard=k, address=ref.address)
+                    log.info("PS shard %d at %s is reachable again", k, ref.address)
+                continue
+            since = self._ps_down.setdefault(k, now)
+            if since == now:
+                self.event(EVENT_PS_DOWN, shard=k, address=ref.address)
+                log.warning("PS shard %d at %s is unreachable", k, ref.address)
+            elif now - since >= PS_LOST_AFTER_S:
+                raise JobFailed(f"PS shard {k} at {ref.address} is down (unreachable for {now - since:.0f} s)",
+                                EVENT_PS_LOST, shard=k, address=ref.address)
+
+    def samples(self) -> int:
+        return self.job.samples()
+
+    def _sample_budget(self) -> int:
+        return self.config.stop.max_epochs * self.config.data.n_train
+
+    def _stop_reason(self) -> str | None:
+        stop = self.config.stop
+        if stop.target_accuracy is not None and self.accuracy is not None and self.accuracy >= stop.target_accuracy:
+            return f"reached target accuracy {stop.target_accuracy:g}"
+        done = self.job.done()
+        if done is not None:
+            return done
+        if self.samples() >= self._sample_budget():
+            return f"trained {stop.max_epochs} epochs"
+        if stop.max_seconds is not None and self.wall() >= stop.max_seconds:
+            return f"ran {stop.max_seconds:g} s"
+        return None
+
+    def _eval_due(self) -> bool:
+        every = self.config.eval
+        if every.every_steps is not None:
+            steps = self.job.steps()
+            if steps < self._next_eval_steps:
+                return False
+            self._next_eval_steps = steps + every.every_steps
+            return True
+        return self.wall() - self._last_eval_wall >= (every.interval_s or 2.0)
+
+    def _maybe_evaluate(self) -> None:
+        if (self._eval_task is None or self._eval_task.done()) and self._eval_due():
+            self._last_eval_wall = self.wall()
+            self._eval_task = asyncio.create_task(self._evaluate(), name=f"{self.config.job.name}-eval")
+
+    # -- evaluation ---------------------------------------------------------------
+    async def _evaluate(self) -> None:
+        """Take the weights now and score them (with ``eval.deferred``: keep them to score after training)."""
+        try:
+            async with asyncio.timeout(EVAL_TIMEOUT_S):
+                snapshot = await self.job.snapshot()
+        except (ActorError, TimeoutError) as exc:
+            self.event(EVENT_EVAL_FAILED, reason=repr(exc))
+            log.warning("evaluation skipped: could not take the weights (%r)", exc)
+            return
+        snapshot.wall, snapshot.samples = self.wall(), self.samples()  # dated when the weights arrived
+        if not self.config.eval.deferred:
+            await self._score(snapshot)
+            return
+        self._deferred.append(snapshot)
+        if len(self._deferred) > MAX_DEFERRED_SNAPSHOTS:
+            await self._score(self._deferred.popleft())
+
+    async def _score(self, snapshot: Snapshot) -> None:
+        accuracy, loss = await self.job.score(snapshot)
+        wall, samples = snapshot.wall, snapshot.samples
+        last_wall, last_samples = self._rate
+        if wall > last_wall:
+            self.samples_per_s = (samples - last_samples) / (wall - last_wall)
+        self._rate = (wall, samples)
+        self.accuracy, self.loss = accuracy, loss
+        self.report.record_eval(wall, samples, accuracy, loss)
+        log.info("eval: %.1f s, %d samples, accuracy %.4f, loss %.4f", wall, samples, accuracy, loss)
+
+    # -- ending -------------------------------------------------------------------
+    def _fail(self, exc: JobFailed) -> None:
+        if self._ending is not None:
+            return
+        log.error("job failed: %s", exc)
+        self.event(exc.event, reason=str(exc), **exc.details)
+        self._end(f"failed: {exc}", state="failed")
+
+    def _end(self, reason: str, state: str = "finished") -> None:
+        if self._ending is None:
+            self._ending = asyncio.create_task(self._finish(reason, state), name=f"{self.config.job.name}-finish")
+
+    async def _finish(self, reason: str, state: str) -> None:
+        """Stop training, take a last evaluation if it says something new, write the summary."""
+        train_wall, train_samples = self.wall(), self.samples()
+        self._wall_at_end = train_wall
+        try:
+            await self.job.stop(reason)
+            if self._eval_task is not None:
+                await asyncio.gather(self._eval_task, return_exceptions=True)
+            last = self._deferred[-1].samples if self._deferred else (
+                self.report.history[-1].samples if self.report.history else None)
+            if state == "finished" and not reason.startswith("reached") and last != train_samples:
+                await self._evaluate()
+            if self._deferred:
+                log.info("training done: scoring %d deferred evaluations", len(self._deferred))
+                while self._deferred:
+                    await self._score(self._deferred.popleft())
+            self.report.set_metric("train_samples_per_s", train_samples / train_wall if train_wall > 0 else 0.0)
+            async with asyncio.timeout(EVAL_TIMEOUT_S):
+                await self.job.record(self.report)
+        except Exception as exc:  # whatever failed, the summary of what ran is written
+            log.exception("while ending the job")
+            self.event(EVENT_JOB_FAILED, reason=repr(exc))
+            if state == "finished":
+                state, reason = "failed", f"failed while ending: {exc!r}"
+        wall = max(train_wall, self.report.history[-1].wall_s) if self.report.history else train_wall
+        self._wall_at_end = wall
+        self.report.finish(wall, max(train_samples, self.report.samples), reason)
+        self.summary_path = str(await self.run_blocking(self.report.write_outputs, self.config.output_dir))
+        self.state = state
+        log.info("job %s: %s; summary in %s", state, reason, self.summary_path)
+        self.finished.set()
+
+    # -- status -------------------------------------------------------------------
+    @handler
+    def status(self, msg: JobStatus) -> JobStatusReply:
+        return self.snapshot()
+
+    @property
+    def evaluations(self) -> int:
+        """Held-out evaluations run so far."""
+        return len(self.report.history)
+
+    def snapshot(self) -> JobStatusReply:
+        """The job's state now (what :class:`JobStatus` answers); read by the node's metrics and live page."""
+        samples = self.samples()
+        return JobStatusReply(
+            job=self.config.job.name, mode=self.config.mode, state=self.state, wall_s=self.wall(),
+            samples=samples, epochs=samples / self.config.data.n_train, max_epochs=self.config.stop.max_epochs,
+            accuracy=self.accuracy, loss=self.loss, samples_per_s=self.samples_per_s,
+            replicas=self.job.members(), summary=self.summary_path,
+            extra={"bytes_pushed": self.report.bytes_pushed, "bytes_pulled": self.report.bytes_pulled,
+                   **self.job.extra()},
+        )

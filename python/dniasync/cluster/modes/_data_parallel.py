@@ -1,0 +1,245 @@
+"""What Downpour and Hogwild share on the coordinator: replicas, their data shards, their liveness.
+
+Each worker host gets one replica with one data shard (its cursor included).
+A replica reports its counters (:class:`~dniasync.train.messages.Progress`);
+one that stays silent past the liveness limit is declared dead, fenced on the
+PS shards, and its data shards go to the live replica with the fewest, from
+the cursor it last reported. A host that joins again with a new incarnation
+replaces its former replica the same way.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ...actors import ActorError, ActorRef, Directive
+from ...train.data import DataCursor
+from ...train.messages import Fence, Progress, Shards, StopTraining
+from ...train.specs import PSLinkSpec, ReplicaSpec, SharedStoreSpec
+from ..config import Config
+from ..plan import data_spec, model_spec, optimizer_spec
+from ..protocol import Assignment, JoinJob, NoJob, Ready
+from ..report import EVENT_REPLICA_FAILED, EVENT_REPLICA_JOINED, EVENT_SHARD_REASSIGNED, RunReport
+from . import Snapshot
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..hosts import Host
+    from ..job import JobRunner
+
+__all__ = ["FIRST_PROGRESS_GRACE_S", "WORKER_HOST", "DataParallelJob", "host_replica", "replica_name"]
+
+log = logging.getLogger("dniasync.cluster.modes")
+
+FIRST_PROGRESS_GRACE_S = 60.0
+"""A replica that was assigned gets this long to load its data and report once."""
+
+
+WORKER_HOST = "worker-host"
+"""The name of the host actor on a worker node."""
+
+
+def replica_name(member: str) -> str:
+    """``replica-<host>-<port>`` for the host ``worker-host@host:port``; other hosts add their name."""
+    host, _, node = member.partition("@")
+    slug = node.replace(":", "-")
+    return f"replica-{slug}" if host == WORKER_HOST else f"replica-{slug}-{host}"
+
+
+@dataclass
+class _Replica:
+    member: str
+    incarnation: int
+    assigned: float
+    shards: set[int] = field(default_factory=set)
+    ref: ActorRef | None = None
+    last_seen: float = 0.0
+    reported: bool = False
+    status: str = "alive"
+    samples: int = 0
+    steps: int = 0
+    bytes_pushed: int = 0
+    bytes_pulled: int = 0
+    dense_bytes_pushed: int = 0
+
+
+class DataParallelJob:
+    """The replicas of a data-parallel job; subclasses say how parameters are shared and evaluated."""
+
+    warm_start_steps = 0
+
+    def __init__(self, config: Config, runner: JobRunner) -> None:
+        import torch
+
+        from ...train.flat import FlatModel, flatten_parameters
+
+        torch.set_num_threads(1)
+        self.config = config
+        self.runner = runner
+        self.model_spec, self.data_spec, self.optimizer_spec = model_spec(config), data_spec(config), optimizer_spec(config)
+        model: nn.Module = self.model_spec.build()
+        self.initial = flatten_parameters(model)
+        self.n_params = int(self.initial.size)
+        _, _, self.x_test, self.y_test = self.data_spec.load_split()
+        self.eval_buffer = self.initial.copy()
+        self.eval_flat = FlatModel(model, self.eval_buffer)
+        self.replicas: dict[str, _Replica] = {}
+        """replica name -> its state"""
+        self.owners: dict[int, str | None] = {s: None for s in range(config.n_data_shards)}
+        self.cursors = {s: DataCursor(s) for s in range(config.n_data_shards)}
+
+    def sync_spec(self) -> PSLinkSpec | SharedStoreSpec:
+        raise NotImplementedError
+
+    def ps_shards(self) -> list[Any]:
+        return []
+
+    # -- replicas -------------------------------------------------------------------
+    def assign(self, join: JoinJob) -> Assignment | NoJob:
+        name = replica_name(join.member)
+        warm = self.warm_start_steps
+        if warm and self.replicas and name not in self.replicas and not any(r.steps >= warm for r in self.replicas.values()):
+            return NoJob(f"warm start: the first replica runs {warm} steps alone", retry=True)
+        old = self.replicas.get(name)
+        now = time.monotonic()
+        if old is None or old.incarnation != join.incarnation or old.status != "alive":
+            if old is not None:
+                self._declare_dead(name, "joined again with a new incarnation")
+            free = [s for s, owner in self.owners.items() if owner is None]
+            shards = {free[0]} if free else set()
+            for s in shards:
+                self.owners[s] = name
+            self.replicas[name] = _Replica(join.member, join.incarnation, now, shards, last_seen=now)
+            self.runner.mark_started()
+            self.runner.event(EVENT_REPLICA_JOINED, replica=name, shards=",".join(map(str, sorted(shards))),
+                              cluster_steps=self.steps())
+            log.info("replica %s joined; data shards %s", name, sorted(shards))
+        state = self.replicas[name]
+        cursors = [[c.shard, c.epoch, c.position] for s in sorted(state.shards) for c in [self.cursors[s]]]
+        return Assignment(ReplicaSpec(self.model_spec, self.data_spec, self.optimizer_spec, cursors,
+                                      self.sync_spec(), self.runner.ref.address))
+
+    async def ready(self, ready: Ready) -> None:
+        state = self.replicas.get(replica_name(ready.member))
+        if state is not None and state.incarnation == ready.incarnation and ready.refs:
+            state.ref = ready.refs[0]
+
+    def progress(self, msg: Progress) -> None:
+        state = self.replicas.get(msg.replica)
+        if state is None or state.incarnation != msg.incarnation or state.status != "alive":
+            return  # a fenced replica's late words
+        state.last_seen = time.monotonic()
+        state.reported = True
+        self.runner.report.add_bytes(pushed=msg.bytes_pushed - state.bytes_pushed,
+                                     pulled=msg.bytes_pulled - state.bytes_pulled)
+        state.samples, state.steps = msg.samples, msg.steps
+        state.bytes_pushed, state.bytes_pulled = msg.bytes_pushed, msg.bytes_pulled
+        state.dense_bytes_pushed = msg.dense_bytes_pushed
+        for shard, epoch, position in msg.cursors:
+            if self.owners.get(shard) == msg.replica:
+                self.cursors[shard] = DataCursor(shard, epoch, position)
+
+    def check(self, now: float) -> None:
+        for name, state in list(self.replicas.items()):
+            limit = self.runner.liveness_s if state.reported else FIRST_PROGRESS_GRACE_S
+            if state.status == "alive" and now - state.last_seen > limit:
+                self._declare_dead(name, f"silent for {now - state.last_seen:.1f} s")
+
+    def _declare_dead(self, name: str, why: str) -> None:
+        state = self.replicas[name]
+        if state.status != "alive":
+            return
+        state.status = "dead"
+        log.warning("replica %s declared dead (%s); its data shards %s are reassigned", name, why, sorted(state.shards))
+        self.runner.event(EVENT_REPLICA_FAILED, replica=name, reason=why)
+        for ps in self.runner.ps:
+            if ps is not None:
+                try:
+                    ps.tell_nowait(Fence(name))
+                except ActorError as exc:
+                    log.warning("could not fence %s on %s: %s", name, ps, exc)
+        for shard in sorted(state.shards):
+            self.owners[shard] = None
+        state.shards = set()
+        self._reassign()
+
+    def _reassign(self) -> None:
+        orphans = [s for s, owner in self.owners.items() if owner is None]
+        alive = [(n, r) for n, r in self.replicas.items() if r.status == "alive"]
+        if not orphans or not alive:
+            return
+        changed: set[str] = set()
+        for shard in orphans:
+            name, state = min(alive, key=lambda item: (len(item[1].shards), item[0]))
+            state.shards.add(shard)
+            self.owners[shard] = name
+            changed.add(name)
+            cursor = self.cursors[shard]
+            self.runner.event(EVENT_SHARD_REASSIGNED, shard=shard, to=name, epoch=cursor.epoch,
+                              position=cursor.position)
+            log.info("data shard %d goes to %s from epoch %d position %d", shard, name, cursor.epoch, cursor.position)
+        for name in changed:
+            state = self.replicas[name]
+            cursors = [[self.cursors[s].shard, self.cursors[s].epoch, self.cursors[s].position]
+                       for s in sorted(state.shards)]
+            if state.ref is None:
+                continue  # it starts with the cursors of its assignment
+            try:
+                state.ref.tell_nowait(Shards(cursors))
+            except ActorError as exc:
+                log.warning("could not hand shards to %s: %s", name, exc)
+
+    # -- figures ----------------------------------------------------------------------
+    def samples(self) -> int:
+        return sum(r.samples for r in self.replicas.values())
+
+    def steps(self) -> int:
+        return sum(r.steps for r in self.replicas.values())
+
+    def done(self) -> str | None:
+        return None
+
+    def members(self) -> dict[str, str]:
+        return {n: r.status for n, r in self.replicas.items()}
+
+    def extra(self) -> dict[str, Any]:
+        return {"dense_bytes_pushed": sum(r.dense_bytes_pushed for r in self.replicas.values())}
+
+    # -- evaluation ---------------------------------------------------------------------
+    async def score(self, snapshot: Snapshot) -> tuple[float, float]:
+        from ...train.flat import evaluate
+
+        np.copyto(self.eval_buffer, snapshot.weights)
+        return await self.runner.run_blocking(evaluate, self.eval_flat.model, self.x_test, self.y_test)
+
+    # -- ending -----------------------------------------------------------------------
+    async def stop(self, reason: str) -> None:
+        for state in self.replicas.values():
+            if state.status == "alive" and state.ref is not None:
+                try:
+                    state.ref.tell_nowait(StopTraining(reason))
+                except ActorError:
+                    pass
+
+    async def record(self, report: RunReport) -> None:
+        report.set_metric("dense_bytes_pushed", sum(r.dense_bytes_pushed for r in self.replicas.values()))
+
+    async def close(self) -> None:
+        return
+
+
+async def host_replica(host: Host, spec: ReplicaSpec) -> list[ActorRef]:
+    """On a worker node: the replica of ``spec``, a child of ``host``.
+
+    Not restarted if it fails: its data shards go to the others from their last reported cursors.
+    """
+    module = await host.run_blocking(importlib.import_module, "dniasync.train.replica")  # torch: seconds
+    return [await host.spawn(module.Replica, spec, incarnation=host.incarnation, name=replica_name(host.ref.address),
+                             supervision=Directive.STOP)]

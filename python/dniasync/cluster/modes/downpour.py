@@ -1,0 +1,160 @@
+"""Downpour SGD (Dean et al. 2012): replicas push gradients to, and pull parameters from, PS shards.
+
+The flat parameter vector is cut into ``n_ps_shards`` contiguous ranges,
+each served by a :class:`~dniasync.train.ps.PSShard` that applies pushes
+asynchronously with ``[optimizer]`` (and the staleness policy); every worker
+process runs one :class:`~dniasync.train.replica.Replica` on its own data shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from msgspec import Meta
+
+from ...actors import ActorError, ActorRef, Directive
+from ...train.messages import Params, Pull, ShardStats
+from ...train.specs import PSLinkSpec, ReplicaSpec, ShardSpec
+from .._schema import ConfigError, KeyProblem, Section
+from ..plan import codec_spec
+from . import Hoster, Snapshot
+from ._data_parallel import DataParallelJob, host_replica
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..config import Config
+    from ..hosts import Host
+    from ..job import JobRunner
+    from ..report import RunReport
+
+__all__ = ["DOWNPOUR", "DownpourConfig", "record_ps_stats"]
+
+
+class DownpourConfig(Section, frozen=True):
+    """Replicas, PS shards, fetch/push cadence, codec, staleness (mode `downpour`)."""
+
+    only_for = {"tau": ("codec", ("threshold",)), "block": ("codec", ("onebit", "int8")),
+                "max_staleness": ("staleness", ("bound",))}
+
+    n_replicas: Annotated[int, Meta(ge=1, description="model replicas, one data shard each; at most data.n_train")] = 1
+    n_ps_shards: Annotated[int, Meta(ge=1, description=(
+        "the flat parameter vector is cut into this many contiguous ranges (at most the number of parameters)"))] = 1
+    n_fetch: Annotated[int, Meta(ge=1, description="a replica pulls parameters every n_fetch steps")] = 1
+    n_push: Annotated[int, Meta(ge=1, description="it pushes its accumulated gradient every n_push steps")] = 1
+    warm_start_steps: Annotated[int, Meta(ge=0, description="steps the first replica runs alone before the others start")] = 0
+    codec: Annotated[Literal["none", "threshold", "onebit", "int8"], Meta(description=(
+        "gradient compression: `threshold` (Strom), `onebit` (1-bit SGD), `int8` (blockwise 8-bit)"))] = "none"
+    tau: Annotated[float, Meta(gt=0.0, description="the threshold; required with `threshold`")] | None = None
+    block: Annotated[int, Meta(ge=1, description="block size for `onebit` (a multiple of 8) and `int8`")] = 256
+    staleness: Annotated[Literal["none", "inverse", "bound"], Meta(description=(
+        "`inverse`: lr / staleness (Zhang et al. 2016); `bound`: drop pushes staler than max_staleness"))] = "none"
+    max_staleness: Annotated[int, Meta(ge=0, description="required with `bound`")] | None = None
+
+    def __post_init__(self) -> None:
+        if self.codec == "threshold" and self.tau is None:
+            raise KeyProblem("tau", "missing required key '{key}'")
+        if self.staleness == "bound" and self.max_staleness is None:
+            raise KeyProblem("max_staleness", "missing required key '{key}'")
+        if self.codec == "onebit" and self.block % 8:
+            raise KeyProblem("block", f"'{{key}}' must be a multiple of 8 for the onebit codec, got {self.block}")
+
+
+async def record_ps_stats(report: RunReport, shards: list[ActorRef | None]) -> None:
+    """Put each PS shard's counters (applied, rejections, staleness histogram) into the run summary."""
+    for index, ps in enumerate(shards):
+        if ps is None:
+            continue
+        try:
+            stats = await ps.ask(ShardStats(), timeout=5.0)
+        except ActorError as exc:
+            report.set_metric(f"ps{index}_stats_error", repr(exc))
+            continue
+        for key in ("applied", "version", "staleness_sum"):
+            report.set_metric(f"ps{index}_{key}", int(stats[key]))
+        for key, count in stats["rejected"].items():
+            report.set_metric(f"ps{index}_rejected_{key}", int(count))
+        for bound, count in zip([*map(str, stats["staleness_buckets"]), "inf"], stats["staleness_counts"]):
+            report.set_metric(f"ps{index}_staleness_le_{bound}", int(count))
+
+
+async def host_shard(host: Host, spec: ShardSpec) -> list[ActorRef]:
+    """On a PS node: the shard of ``spec``, a child of ``host``."""
+    from ...train.ps import PSShard
+
+    return [await host.spawn(PSShard, spec, name=f"ps-{spec.shard}", supervision=Directive.STOP)]
+
+
+class _DownpourJob(DataParallelJob):
+    def __init__(self, config: Config, runner: JobRunner) -> None:
+        from ...train.flat import split_ranges
+
+        super().__init__(config, runner)
+        self.settings: DownpourConfig = config.settings
+        self.warm_start_steps = self.settings.warm_start_steps
+        self.ranges = split_ranges(self.n_params, self.settings.n_ps_shards)
+        self.codec = codec_spec(self.settings.codec, self.settings.tau, self.settings.block)
+
+    def ps_shards(self) -> list[Any]:
+        return [
+            ShardSpec(k, offset, self.initial[offset:offset + length].copy(), self.optimizer_spec, self.codec,
+                      self.settings.staleness, self.settings.max_staleness or 0)
+            for k, (offset, length) in enumerate(self.ranges)
+        ]
+
+    def sync_spec(self) -> PSLinkSpec:
+        ps = [ref for ref in self.runner.ps if ref is not None]
+        return PSLinkSpec(ps, [offset for offset, _ in self.ranges], self.settings.n_fetch, self.settings.n_push,
+                          self.codec)
+
+    async def snapshot(self) -> Snapshot:
+        replies = await asyncio.gather(*(ps.ask(Pull(), timeout=10.0) for ps in self.runner.ps if ps is not None))
+        weights = self.eval_buffer.copy()
+        for reply in replies:
+            assert isinstance(reply, Params)
+            offset, length = self.ranges[reply.shard]
+            weights[offset:offset + length] = reply.values
+        return Snapshot(weights)
+
+    async def record(self, report: RunReport) -> None:
+        await super().record(report)
+        await record_ps_stats(report, self.runner.ps)
+
+
+class _Downpour:
+    name = "downpour"
+    settings = DownpourConfig
+    shards_key = "downpour.n_replicas"
+    worker_kind = "replica"
+
+    def data_shards(self, settings: DownpourConfig) -> int:
+        return settings.n_replicas
+
+    def check(self, config: Config, raw: Mapping[str, Any]) -> None:
+        return
+
+    def resolve(self, config: Config, model: nn.Module) -> None:
+        from ...train.models import count_parameters
+
+        n_params, shards = count_parameters(model), config.settings.n_ps_shards
+        if shards > n_params:
+            raise ConfigError(f"'downpour.n_ps_shards' is {shards}, but the model has only {n_params} parameters "
+                              "to split into contiguous shards", "downpour.n_ps_shards")
+
+    def processes(self, config: Config) -> tuple[int, int]:
+        return config.settings.n_ps_shards, config.settings.n_replicas
+
+    def summary_lines(self, config: Config, doc: Mapping[str, Any]) -> list[str]:
+        return [f"  bytes pushed       {doc.get('bytes_pushed', 0):,} (codec {config.settings.codec})",
+                f"  bytes pulled       {doc.get('bytes_pulled', 0):,}"]
+
+    def job(self, config: Config, runner: JobRunner) -> _DownpourJob:
+        return _DownpourJob(config, runner)
+
+    def hosters(self) -> dict[type, Hoster]:
+        return {ShardSpec: host_shard, ReplicaSpec: host_replica}
+
+
+DOWNPOUR = _Downpour()

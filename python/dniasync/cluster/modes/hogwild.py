@@ -1,0 +1,90 @@
+"""Hogwild! (Niu et al. 2011): worker processes update one shared-memory store without locks.
+
+The coordinator creates the job's :class:`~dniasync._core.ParamStore` in
+``/dev/shm`` (and removes it when the job ends); every worker process maps it
+and applies each step in place with the Rust optimizer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Annotated, Any
+
+from msgspec import Meta
+
+from ...train.specs import ReplicaSpec, SharedStoreSpec
+from .._schema import Section
+from . import Hoster, Snapshot
+from ._data_parallel import DataParallelJob, host_replica
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..config import Config
+    from ..job import JobRunner
+
+__all__ = ["HOGWILD", "HogwildConfig"]
+
+
+class HogwildConfig(Section, frozen=True):
+    """Lock-free workers over one shared store (mode `hogwild`)."""
+
+    n_workers: Annotated[int, Meta(ge=1, description="processes sharing one ParamStore; at most data.n_train")] = 1
+
+
+class _HogwildJob(DataParallelJob):
+    def __init__(self, config: Config, runner: JobRunner) -> None:
+        from ... import _core
+        from ...train.replica import HOGWILD_SEGMENT
+
+        super().__init__(config, runner)
+        name = f"{config.job.name}-{os.getpid()}"
+        if os.path.exists(f"/dev/shm/dniasync-{name}") and _core.ParamStore.is_stale(name):
+            _core.ParamStore.remove_stale(name)  # left by a crashed run with our pid
+        opt = self.optimizer_spec
+        self.store = _core.ParamStore([(HOGWILD_SEGMENT, self.n_params)], opt.name,  # type: ignore[arg-type]
+                                      shm_name=name, **opt.store_options())
+        self.store.write(HOGWILD_SEGMENT, self.initial)
+        self.shm_name = name
+        self.segment = HOGWILD_SEGMENT
+
+    def sync_spec(self) -> SharedStoreSpec:
+        return SharedStoreSpec(self.shm_name)
+
+    async def snapshot(self) -> Snapshot:
+        return Snapshot(self.store.view(self.segment).copy())
+
+    async def close(self) -> None:
+        self.store.close()
+
+
+class _Hogwild:
+    name = "hogwild"
+    settings = HogwildConfig
+    shards_key = "hogwild.n_workers"
+    worker_kind = "worker"
+
+    def data_shards(self, settings: HogwildConfig) -> int:
+        return settings.n_workers
+
+    def check(self, config: Config, raw: Mapping[str, Any]) -> None:
+        return
+
+    def resolve(self, config: Config, model: nn.Module) -> None:
+        return
+
+    def processes(self, config: Config) -> tuple[int, int]:
+        return 0, config.settings.n_workers
+
+    def summary_lines(self, config: Config, doc: Mapping[str, Any]) -> list[str]:
+        return []
+
+    def job(self, config: Config, runner: JobRunner) -> _HogwildJob:
+        return _HogwildJob(config, runner)
+
+    def hosters(self) -> dict[type, Hoster]:
+        return {ReplicaSpec: host_replica}
+
+
+HOGWILD = _Hogwild()

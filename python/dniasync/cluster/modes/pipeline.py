@@ -1,0 +1,176 @@
+"""Model parallelism: a model cut into stages (layer groups) that train as a pipeline.
+
+The model factory must return an ``nn.Sequential``; ``groups`` cuts it into
+stages, each hosted by a :class:`~dniasync.train.pipeline.Stage` actor in a
+worker process. ``method`` is the update rule every stage follows (DNI and
+cDNI: synthetic gradients; ``sync``: the synchronous GPipe-style baseline).
+With ``replicas = 1`` each stage trains with ``[optimizer]`` locally (``adam``
+or ``sgd``; ``lr`` only); with ``replicas > 1`` (DNI x Downpour) every stage
+has one PS shard that applies ``[optimizer]`` to the pushes of its replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from msgspec import Meta
+
+from .._schema import ConfigError, KeyProblem, Section
+from . import Hoster
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..config import Config
+    from ..job import JobRunner
+    from . import ModeJob
+
+__all__ = ["PIPELINE", "PipelineConfig"]
+
+LOCAL_OPTIMIZERS = ("adam", "sgd")
+_SG_KEYS = ("synthetic_inputs", "sg_hidden_layers", "sg_hidden_width", "sg_lr", "sg_fit_rows", "max_in_flight")
+
+
+class PipelineConfig(Section, frozen=True):
+    """The cut into stages, the update rule, SG models, placement, replicas (mode `pipeline`)."""
+
+    only_for = {**{key: ("method", ("dni", "cdni")) for key in _SG_KEYS}, "micro_batches": ("method", ("sync",))}
+
+    groups: Annotated[tuple[tuple[int, ...], ...], Meta(description=(
+        "layer indices of the `nn.Sequential` per stage, e.g. `[[0, 1], [2, 3], [4]]`; contiguous, ordered, every "
+        "layer in exactly one stage"))]
+    method: Annotated[Literal["cdni", "dni", "sync"], Meta(description=(
+        "`dni` (synthetic gradients), `cdni` (synthetic gradients conditioned on the labels) or `sync` (the "
+        "synchronous pipeline baseline: real backprop, GPipe-style micro-batches)"))] = "cdni"
+    synthetic_inputs: Annotated[bool, Meta(description=(
+        "stages after the first also learn to predict their input from the raw data"))] = False
+    sg_hidden_layers: Annotated[int, Meta(ge=0, description="hidden layers of the SG model (0: linear)")] = 0
+    sg_hidden_width: Annotated[int, Meta(ge=0, description="their width (0: as wide as the activations)")] = 0
+    sg_lr: Annotated[float, Meta(gt=0.0, description="the SG model's Adam learning rate")] = 1e-4
+    sg_fit_rows: Annotated[int, Meta(ge=0, description=(
+        "fit the SG model on this many rows of each returning batch (0: all; at most data.batch_size)"))] = 0
+    max_in_flight: Annotated[int, Meta(ge=1, description="mini-batches in a DNI pipeline at once")] = 4
+    micro_batches: Annotated[int, Meta(ge=1, description="`sync` only: micro-batches per mini-batch")] = 4
+    replicas: Annotated[int, Meta(ge=1, description=(
+        "pipelines, each on its own data shard; more than one is DNI x Downpour"))] = 1
+    n_fetch: Annotated[int, Meta(ge=1, description="with replicas > 1: a stage pulls its parameters every n_fetch steps")] = 1
+    n_push: Annotated[int, Meta(ge=1, description="with replicas > 1: ... and pushes its gradient every n_push steps")] = 1
+    placement: Annotated[tuple[int, ...], Meta(description=(
+        "the worker (0, 1, ...) hosting each stage of a pipeline (default one worker per stage); every worker from 0 "
+        "to the largest must host a stage. Worker processes: (largest + 1) x replicas"))] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise KeyProblem("groups", "'{key}' must be a non-empty array of arrays of layer indices")
+        for k, group in enumerate(self.groups):
+            if not group:
+                raise KeyProblem("groups", f"'{{key}}' group {k} is empty")
+        if self.placement is not None:
+            placement = list(self.placement)
+            if len(placement) != len(self.groups):
+                raise KeyProblem("placement", f"'{{key}}' has {len(placement)} entries for {len(self.groups)} "
+                                              "groups (one worker per group)")
+            if min(placement) < 0:
+                raise KeyProblem("placement", f"'{{key}}' worker indices must be >= 0, got {placement}")
+            unused = sorted(set(range(max(placement) + 1)) - set(placement))
+            if unused:
+                raise KeyProblem("placement", f"'{{key}}' leaves workers {unused} without a group; number workers "
+                                              "0, 1, ... in use")
+
+    def check_given(self, given: frozenset[str]) -> None:
+        if self.replicas == 1:
+            for key in ("n_fetch", "n_push"):
+                if key in given:
+                    raise KeyProblem(key, "'{key}' applies only when pipeline.replicas > 1 (DNI x Downpour)")
+
+    @property
+    def group_workers(self) -> tuple[int, ...]:
+        """The worker (within one pipeline) that hosts each group."""
+        return self.placement if self.placement is not None else tuple(range(len(self.groups)))
+
+    @property
+    def workers_per_pipeline(self) -> int:
+        return max(self.group_workers) + 1
+
+    @property
+    def n_workers(self) -> int:
+        """Worker processes the job needs: one per placement slot per replica."""
+        return self.workers_per_pipeline * self.replicas
+
+
+class _Pipeline:
+    name = "pipeline"
+    settings = PipelineConfig
+    shards_key = "pipeline.replicas"
+    worker_kind = "layer-group worker"
+
+    def data_shards(self, settings: PipelineConfig) -> int:
+        return settings.replicas
+
+    def check(self, config: Config, raw: Mapping[str, Any]) -> None:
+        p: PipelineConfig = config.settings
+        batch = config.data.batch_size
+        if p.method == "sync" and p.micro_batches > batch:
+            raise ConfigError(f"'pipeline.micro_batches' is {p.micro_batches}, more than data.batch_size = {batch}",
+                              "pipeline.micro_batches")
+        if p.sg_fit_rows > batch:
+            raise ConfigError(f"'pipeline.sg_fit_rows' is {p.sg_fit_rows}, more than data.batch_size = {batch}",
+                              "pipeline.sg_fit_rows")
+        opt, given = config.optimizer, raw.get("optimizer", {})
+        if opt.clip_norm is not None:
+            raise ConfigError("'optimizer.clip_norm' does not apply in mode 'pipeline'", "optimizer.clip_norm")
+        if p.replicas > 1:
+            return
+        # each stage steps its own torch optimizer: only its name and lr apply
+        if opt.name not in LOCAL_OPTIMIZERS:
+            raise ConfigError(
+                f"'optimizer.name' is {opt.name!r}; stages train with {' or '.join(map(repr, LOCAL_OPTIMIZERS))} "
+                "(any optimizer with pipeline.replicas > 1, where PS shards apply it)", "optimizer.name")
+        for key in ("momentum", "weight_decay", "betas", "eps"):
+            if key in given:
+                raise ConfigError(f"'optimizer.{key}' does not apply in mode 'pipeline' with pipeline.replicas = 1 "
+                                  "(stages use the optimizer's name and lr only)", f"optimizer.{key}")
+
+    def resolve(self, config: Config, model: nn.Module) -> None:
+        from torch import nn
+
+        from ...train.pipeline import GroupConfigError, validate_groups
+
+        if not isinstance(model, nn.Sequential):
+            raise ConfigError(f"'model.factory' returns a {type(model).__name__}; mode 'pipeline' cuts an "
+                              "nn.Sequential into stages", "model.factory")
+        try:
+            validate_groups(config.settings.groups, len(model))
+        except GroupConfigError as e:
+            raise ConfigError(f"'pipeline.groups': {e}", "pipeline.groups") from None
+
+    def processes(self, config: Config) -> tuple[int, int]:
+        p: PipelineConfig = config.settings
+        return (len(p.groups) if p.replicas > 1 else 0), p.n_workers  # a PS shard per stage only with replicas
+
+    def summary_lines(self, config: Config, doc: Mapping[str, Any]) -> list[str]:
+        p: PipelineConfig = config.settings
+        metrics = doc.get("metrics", {})
+        lines = [f"  layer groups       {len(p.groups)} x {p.replicas} pipeline(s), method {p.method}"
+                 f"{' + synthetic inputs' if p.synthetic_inputs else ''},"
+                 f" {metrics.get('train_samples_per_s', 0):,.0f} training samples/s"]
+        for key in sorted(k for k in metrics if k.endswith("_sg_loss_last")):
+            group = key.removesuffix("_sg_loss_last")
+            lines.append(f"  {group + ' SG loss':18s} {metrics[group + '_sg_loss_first']:.3g} -> {metrics[key]:.3g}")
+        return lines
+
+    def job(self, config: Config, runner: JobRunner) -> ModeJob:
+        from ._pipeline_job import PipelineJob
+
+        return PipelineJob(config, runner)
+
+    def hosters(self) -> dict[type, Hoster]:
+        from ...train.specs import ShardSpec, StagesSpec
+        from ._pipeline_job import host_stages
+        from .downpour import host_shard
+
+        return {StagesSpec: host_stages, ShardSpec: host_shard}
+
+
+PIPELINE = _Pipeline()

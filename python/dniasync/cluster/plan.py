@@ -1,0 +1,27 @@
+"""Compiling a job config into the typed specs its workers receive (once, on the coordinator)."""
+
+from __future__ import annotations
+
+from ..train.specs import CodecSpec, DataSpec, ModelSpec, OptimizerSpec
+from .config import Config
+
+__all__ = ["codec_spec", "data_spec", "model_spec", "optimizer_spec"]
+
+
+def model_spec(config: Config) -> ModelSpec:
+    return ModelSpec(config.model.factory, dict(config.model.kwargs), config.job.seed)
+
+
+def data_spec(config: Config) -> DataSpec:
+    d = config.data
+    return DataSpec(d.dataset, d.reader_kwargs(), d.n_train, d.n_test, config.job.seed, d.batch_size,
+                    config.n_data_shards)
+
+
+def optimizer_spec(config: Config) -> OptimizerSpec:
+    o = config.optimizer
+    return OptimizerSpec(o.name, o.lr, o.momentum, o.betas, o.epsilon, o.weight_decay, o.clip_norm)
+
+
+def codec_spec(name: str, tau: float | None, block: int) -> CodecSpec:
+    return CodecSpec(name, tau if tau is not None else 1e-3, block)

@@ -1,0 +1,151 @@
+"""Typed specs of what a worker needs: the model, the data, the optimizer, a PS shard, a replica.
+
+The job runner compiles them once from the job config and sends them in its
+assignments; a worker builds from them and never reads the TOML config. They
+are registered messages (plain fields, arrays and refs), so they travel
+through the remote codec like any other message, never pickled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..actors import ActorRef, message
+from .data import ShardPlan, load_dataset, split
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = [
+    "CodecSpec",
+    "DataSpec",
+    "ModelSpec",
+    "OptimizerSpec",
+    "PSLinkSpec",
+    "ReplicaSpec",
+    "ShardSpec",
+    "SharedStoreSpec",
+]
+
+
+@message("dniasync.train.ModelSpec")
+@dataclass(frozen=True)
+class ModelSpec:
+    """``factory(**kwargs)``, initialised from ``seed``: every process builds the same model."""
+
+    factory: str
+    kwargs: dict[str, Any]
+    seed: int
+
+    def build(self) -> nn.Module:
+        from .models import build_model
+
+        return build_model(self.factory, self.kwargs, seed=self.seed)
+
+
+@message("dniasync.train.DataSpec")
+@dataclass(frozen=True)
+class DataSpec:
+    """The data set, its seeded train/held-out split, the batch size and the number of training shards."""
+
+    dataset: str
+    reader: dict[str, Any]
+    """Keyword arguments of :func:`~dniasync.train.data.load_dataset`."""
+    n_train: int
+    n_test: int
+    seed: int
+    batch_size: int
+    n_shards: int
+
+    def load_split(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(train x, train y, held-out x, held-out y) as tensors."""
+        import torch
+
+        train, test = split(load_dataset(self.dataset, **self.reader), self.n_train, self.n_test, self.seed)
+        return (torch.from_numpy(train.x), torch.from_numpy(train.y), torch.from_numpy(test.x),
+                torch.from_numpy(test.y))
+
+    def shard_plan(self) -> ShardPlan:
+        return ShardPlan(self.n_train, self.n_shards, self.seed)
+
+
+@message("dniasync.train.OptimizerSpec")
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """The update rule and its hyper-parameters (``eps`` resolved to the optimizer's default)."""
+
+    name: str
+    lr: float
+    momentum: float = 0.9
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_norm: float | None = None
+
+    def store_options(self) -> dict[str, float]:
+        """Keyword arguments of ``_core.ParamStore`` for this optimizer's state."""
+        return {"momentum": self.momentum, "beta1": self.betas[0], "beta2": self.betas[1], "eps": self.eps,
+                "weight_decay": self.weight_decay}
+
+
+@message("dniasync.train.CodecSpec")
+@dataclass(frozen=True)
+class CodecSpec:
+    """How pushed gradients are compressed (see :mod:`dniasync.train.compression`)."""
+
+    name: str = "none"
+    tau: float = 1e-3
+    block: int = 256
+
+
+@message("dniasync.train.ShardSpec")
+@dataclass(frozen=True)
+class ShardSpec:
+    """A PS shard: parameters ``[offset, offset + len(values))`` of the flat vector, and how it updates."""
+
+    shard: int
+    offset: int
+    values: np.ndarray
+    optimizer: OptimizerSpec
+    codec: CodecSpec = field(default_factory=CodecSpec)
+    staleness: str = "none"
+    max_staleness: int = 0
+
+
+@message("dniasync.train.PSLinkSpec")
+@dataclass(frozen=True)
+class PSLinkSpec:
+    """Downpour: pull from ``ps`` every ``n_fetch`` steps, push every ``n_push``; ``offsets[i]`` starts shard i."""
+
+    ps: list[ActorRef]
+    offsets: list[int]
+    n_fetch: int = 1
+    n_push: int = 1
+    codec: CodecSpec = field(default_factory=CodecSpec)
+
+
+@message("dniasync.train.SharedStoreSpec")
+@dataclass(frozen=True)
+class SharedStoreSpec:
+    """Hogwild: apply every step in place, without locks, to the job's shared-memory store ``name``."""
+
+    name: str
+
+
+@message("dniasync.train.ReplicaSpec")
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """A data-parallel worker: what it trains, on which data shards, and how it shares its parameters."""
+
+    model: ModelSpec
+    data: DataSpec
+    optimizer: OptimizerSpec
+    cursors: list[list[int]]
+    """``[shard, epoch, position]`` of each data shard it starts on."""
+    sync: PSLinkSpec | SharedStoreSpec
+    coordinator: str
+    """Where its progress reports go (the job runner's address)."""
