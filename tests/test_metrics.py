@@ -19,7 +19,8 @@ from dniasync.metrics import NodeMetrics
 from dniasync.node import metric_catalogue, mount_metrics
 from dniasync.remote import WebSocketTransport
 from dniasync.train.messages import Params, Pull, Push
-from dniasync.train.ps import PSShard, ShardSettings
+from dniasync.train.ps import PSShard
+from dniasync.train.specs import OptimizerSpec, ShardSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 ALLOWED_LABELS = {"role", "msg_type", "direction", "group", "shard", "reason",
@@ -73,7 +74,8 @@ async def test_metrics_endpoint_serves_what_the_runtime_counted(tmp_path: Path) 
         worker_node = WebSocketTransport(worker_system)
         mount_metrics(worker_node.app, NodeMetrics(worker_system, "worker", worker_node))
         async with ps_node, worker_node:
-            shard = await ps_system.spawn(PSShard, 3, np.zeros(8, np.float32), ShardSettings(lr=0.1), name="ps-3")
+            spec = ShardSpec(3, 0, np.zeros(8, np.float32), OptimizerSpec("adagrad", 0.1))
+            shard = await ps_system.spawn(PSShard, spec, name="ps-3")
             fragile = await ps_system.spawn(Fragile, name="fragile")
             remote = worker_system.ref(f"ps-3@{ps_node.address}")
             grad = np.ones(8, np.float32).view(np.uint8)
@@ -132,7 +134,8 @@ async def test_metrics_endpoint_serves_what_the_runtime_counted(tmp_path: Path) 
 async def test_a_stopped_actor_leaves_the_exposition() -> None:
     async with ActorSystem() as system:
         node = NodeMetrics(system, "ps")
-        shard = await system.spawn(PSShard, 5, np.zeros(4, np.float32), ShardSettings(lr=0.1), name="ps-5")
+        spec = ShardSpec(5, 0, np.zeros(4, np.float32), OptimizerSpec("adagrad", 0.1))
+        shard = await system.spawn(PSShard, spec, name="ps-5")
         assert ("dniasync_ps_parameters", (("shard", "5"),)) in samples(node.exposition().decode())
         await system.stop(shard)
         for _ in range(200):
