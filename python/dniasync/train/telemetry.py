@@ -7,7 +7,7 @@ types are structural so this module imports no training code (nor torch).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final, Protocol
 
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric, SummaryMetricFamily
@@ -81,18 +81,24 @@ DNI_SG_STALENESS = FAMILIES.summary(
 PS_REJECT_REASONS: Final = ("stale", "duplicate", "zombie", "nonfinite", "bad_payload")
 
 
+# What the collectors read: read-only members, so an actor may keep them as attributes or properties.
 class ReplicaState(Protocol):
     @property
     def ref(self) -> ActorRef: ...
-
-    steps: int
-    samples: int
-    pushes: int
-    pulls: int
-    bytes_pushed: int
-    bytes_pulled: int
-    dense_bytes_pushed: int
-
+    @property
+    def steps(self) -> int: ...
+    @property
+    def samples(self) -> int: ...
+    @property
+    def pushes(self) -> int: ...
+    @property
+    def pulls(self) -> int: ...
+    @property
+    def bytes_pushed(self) -> int: ...
+    @property
+    def bytes_pulled(self) -> int: ...
+    @property
+    def dense_bytes_pushed(self) -> int: ...
     @property
     def loss(self) -> float: ...
 
@@ -100,33 +106,48 @@ class ReplicaState(Protocol):
 class PSShardState(Protocol):
     @property
     def ref(self) -> ActorRef: ...
-
-    shard: int
-    n: int
-    applied: int
-    pulls: int
-    samples: int
-    rejected: dict[str, int]
-    staleness_counts: list[int]
-    staleness_sum: int
-    bytes_in: int
-    bytes_out: int
-
+    @property
+    def shard(self) -> int: ...
+    @property
+    def n(self) -> int: ...
+    @property
+    def applied(self) -> int: ...
+    @property
+    def pulls(self) -> int: ...
+    @property
+    def samples(self) -> int: ...
+    @property
+    def rejected(self) -> Mapping[str, int]: ...
+    @property
+    def staleness_counts(self) -> Sequence[int]: ...
+    @property
+    def staleness_sum(self) -> int: ...
+    @property
+    def bytes_in(self) -> int: ...
+    @property
+    def bytes_out(self) -> int: ...
     @property
     def version(self) -> int: ...
 
 
 class LayerGroupState(Protocol):
-    steps: int
-    evictions: int
-    late_gradients: int
-    staleness_sum: int
-    forward_seconds: float
-    forwards: int
-    sg: Any  # None, or the SG model: ``steps`` and ``losses`` (a bounded deque appended from a worker thread)
-
     @property
     def ref(self) -> ActorRef: ...
+    @property
+    def steps(self) -> int: ...
+    @property
+    def evictions(self) -> int: ...
+    @property
+    def late_gradients(self) -> int: ...
+    @property
+    def staleness_sum(self) -> int: ...
+    @property
+    def forward_seconds(self) -> float: ...
+    @property
+    def forwards(self) -> int: ...
+    @property
+    def sg(self) -> Any:
+        """None, or the SG model: ``steps`` and ``losses`` (a bounded deque appended from a worker thread)."""
 
 
 def _collect_replicas(system: ActorSystem, reps: Sequence[ReplicaState]) -> Iterator[Metric]:
