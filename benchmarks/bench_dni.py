@@ -61,7 +61,7 @@ METHODS = ("backprop", "sync", "dni", "cdni")
 JOB = """
 [job]
 name = "bench_dni_{method}"
-mode = "dni"
+mode = "pipeline"
 seed = {seed}
 output_dir = "{out}"
 
@@ -81,9 +81,9 @@ batch_size = {batch_size}
 name = "adam"
 lr = {lr}
 
-[dni]
+[pipeline]
 groups = {groups}
-variant = "{variant}"
+method = "{variant}"
 {variant_keys}
 
 [stop]

@@ -60,7 +60,7 @@ every_seconds = 0.5
 DNI_JOB = """
 [job]
 name = "{name}"
-mode = "dni"
+mode = "pipeline"
 seed = 3
 output_dir = "{out}"
 
@@ -80,9 +80,9 @@ batch_size = 32
 name = "adam"
 lr = 0.001
 
-[dni]
+[pipeline]
 groups = [[0, 1], [2, 3, 4]]
-variant = "cdni"
+method = "cdni"
 
 [stop]
 max_epochs = 1000000

@@ -1,4 +1,4 @@
-"""Mode ``dni`` job configs: the shipped examples parse; every mistake names its key and the problem."""
+"""Mode ``pipeline`` job configs: the shipped examples parse; every mistake names its key and the problem."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from dniasync.cluster.config import Config, ConfigError, DNIConfig, load_config, parse_config
+from dniasync.cluster.config import Config, ConfigError, load_config, parse_config
+from dniasync.cluster.modes.pipeline import PipelineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DELETE = object()
@@ -16,11 +17,11 @@ DELETE = object()
 
 def base() -> dict[str, Any]:
     return {
-        "job": {"name": "t", "mode": "dni", "seed": 1},
+        "job": {"name": "t", "mode": "pipeline", "seed": 1},
         "model": {"factory": "dniasync.train.models:mlp", "kwargs": {"sizes": [64, 32, 32, 10]}},
         "data": {"dataset": "digits", "n_train": 1000, "n_test": 500, "batch_size": 16},
         "optimizer": {"name": "adam", "lr": 1e-3},
-        "dni": {"groups": [[0, 1], [2, 3], [4]]},
+        "pipeline": {"groups": [[0, 1], [2, 3], [4]]},
     }
 
 
@@ -40,7 +41,7 @@ def with_(raw: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("name", ["dni_mnist.toml", "dni_downpour_mnist.toml"])
 def test_shipped_examples_parse_and_round_trip(name: str) -> None:
     config = load_config(ROOT / "examples" / name)
-    assert config.mode == "dni"
+    assert config.mode == "pipeline"
     assert parse_config(config.to_dict()) == config
 
 
@@ -48,51 +49,63 @@ def test_examples_match_the_issue() -> None:
     dni = load_config(ROOT / "examples/dni_mnist.toml")
     assert dni.model.kwargs["sizes"] == [784, 256, 256, 256, 10]
     assert (dni.data.dataset, dni.data.n_train, dni.data.n_test) == ("mnist5k", 4000, 1000)
-    assert (dni.dni.variant, len(dni.dni.groups), dni.dni.n_workers, dni.stop.max_epochs) == ("cdni", 3, 3, 30)
+    assert (dni.settings.method, len(dni.settings.groups), dni.settings.n_workers, dni.stop.max_epochs) == ("cdni", 3, 3, 30)
     downpour = load_config(ROOT / "examples/dni_downpour_mnist.toml")
-    assert (len(downpour.dni.groups), downpour.dni.replicas, downpour.dni.n_workers) == (2, 2, 4)
+    assert (len(downpour.settings.groups), downpour.settings.replicas, downpour.settings.n_workers) == (2, 2, 4)
 
 
 def test_defaults_and_placement() -> None:
     config: Config = parse_config(base())
-    assert config.dni == DNIConfig(groups=((0, 1), (2, 3), (4,)))
-    assert config.dni.group_workers == (0, 1, 2) and config.n_data_shards == 1
-    placed = parse_config(with_(with_(base(), "dni.placement", [0, 0, 1]), "dni.replicas", 2))
-    assert placed.dni.workers_per_pipeline == 2 and placed.dni.n_workers == 4 and placed.n_data_shards == 2
-    with pytest.raises(ConfigError, match="not 'dni'"):
-        parse_config(with_(with_(base(), "job.mode", "hogwild"), "dni", DELETE)).dni
+    assert config.settings == PipelineConfig(groups=((0, 1), (2, 3), (4,)))
+    assert config.settings.group_workers == (0, 1, 2) and config.n_data_shards == 1
+    placed = parse_config(with_(with_(base(), "pipeline.placement", [0, 0, 1]), "pipeline.replicas", 2))
+    assert placed.settings.workers_per_pipeline == 2 and placed.settings.n_workers == 4 and placed.n_data_shards == 2
+    with pytest.raises(ConfigError, match="does not apply: job.mode is 'hogwild'"):
+        parse_config(with_(base(), "job.mode", "hogwild"))
+
+
+def test_former_dni_mode_names_point_to_pipeline() -> None:
+    raw = with_(with_(base(), "job.mode", "dni"), "pipeline", DELETE)
+    with pytest.raises(ConfigError, match="'job.mode' 'dni' was renamed: use job.mode = 'pipeline'") as err:
+        parse_config(raw)
+    assert err.value.key == "job.mode"
+    with pytest.raises(ConfigError, match=r"section '\[dni\]' was renamed") as err:
+        parse_config(with_(base(), "dni", {"groups": [[0, 1], [2, 3], [4]]}))
+    assert err.value.key == "dni"
+    with pytest.raises(ConfigError, match="'pipeline.variant' was renamed: use 'pipeline.method'"):
+        parse_config(with_(base(), "pipeline.variant", "cdni"))
 
 
 @pytest.mark.parametrize(
     ("dotted", "value", "key", "message"),
     [
-        ("dni.groups", DELETE, "dni.groups", "missing required key 'dni.groups'"),
-        ("dni.groups", [], "dni.groups", "non-empty array"),
-        ("dni.groups", [[0, 1], [], [2, 3, 4]], "dni.groups", "group 1 is empty"),
-        ("dni.groups", [[0, 1], [2, 3]], "dni.groups", r"layers \[4\] are in no group"),
-        ("dni.groups", [[0, 1, 2], [2, 3], [4]], "dni.groups", "layer 2 is in group 0 and in group 1"),
-        ("dni.groups", [[0, 1], [2, 3], [4, 5]], "dni.groups", "layer 5 is out of range"),
-        ("dni.groups", [[0, 2], [1, 3], [4]], "dni.groups", "not a contiguous"),
-        ("dni.groups", [[2, 3], [0, 1], [4]], "dni.groups", "out of order"),
-        ("dni.groups", [[0, "1"], [2, 3, 4]], "dni.groups", "only integers"),
-        ("dni.variant", "sdni", "dni.variant", "choose one of 'dni', 'cdni', 'sync'"),
-        ("dni.grops", [[0]], "dni.grops", "did you mean 'groups'"),
-        ("dni.sg_lr", 0.0, "dni.sg_lr", "must be > 0.0"),
-        ("dni.max_in_flight", 0, "dni.max_in_flight", "at least 1"),
-        ("dni.sg_fit_rows", -1, "dni.sg_fit_rows", "at least 0"),
-        ("dni.sg_fit_rows", 17, "dni.sg_fit_rows", "more than data.batch_size = 16"),
-        ("dni.micro_batches", 2, "dni.micro_batches", "applies only when dni.variant is 'sync'"),
-        ("dni.n_fetch", 2, "dni.n_fetch", "applies only when dni.replicas > 1"),
-        ("dni.replicas", 0, "dni.replicas", "at least 1"),
-        ("dni.replicas", 1001, "dni.replicas", "more than data.n_train"),
-        ("dni.placement", [0, 1], "dni.placement", "2 entries for 3 groups"),
-        ("dni.placement", [0, 2, 2], "dni.placement", r"leaves workers \[1\] without a group"),
-        ("dni.placement", [0, -1, 1], "dni.placement", ">= 0"),
-        ("optimizer.name", "adagrad", "optimizer.name", "layer groups train with 'adam' or 'sgd'"),
-        ("optimizer.clip_norm", 1.0, "optimizer.clip_norm", "does not apply in mode 'dni'"),
-        ("optimizer.weight_decay", 0.1, "optimizer.weight_decay", "does not apply in mode 'dni' with dni.replicas = 1"),
-        ("model", {"factory": "torch.nn:Identity"}, "model.factory", "returns a Identity; mode 'dni' cuts an nn.Sequential"),
-        ("downpour", {"n_replicas": 2}, "downpour", "does not apply: job.mode is 'dni'"),
+        ("pipeline.groups", DELETE, "pipeline.groups", "missing required key 'pipeline.groups'"),
+        ("pipeline.groups", [], "pipeline.groups", "non-empty array"),
+        ("pipeline.groups", [[0, 1], [], [2, 3, 4]], "pipeline.groups", "group 1 is empty"),
+        ("pipeline.groups", [[0, 1], [2, 3]], "pipeline.groups", r"layers \[4\] are in no group"),
+        ("pipeline.groups", [[0, 1, 2], [2, 3], [4]], "pipeline.groups", "layer 2 is in group 0 and in group 1"),
+        ("pipeline.groups", [[0, 1], [2, 3], [4, 5]], "pipeline.groups", "layer 5 is out of range"),
+        ("pipeline.groups", [[0, 2], [1, 3], [4]], "pipeline.groups", "not a contiguous"),
+        ("pipeline.groups", [[2, 3], [0, 1], [4]], "pipeline.groups", "out of order"),
+        ("pipeline.groups", [[0, "1"], [2, 3, 4]], "pipeline.groups", "arrays of integers"),
+        ("pipeline.method", "sdni", "pipeline.method", "choose one of 'cdni', 'dni', 'sync'"),
+        ("pipeline.grops", [[0]], "pipeline.grops", "did you mean 'groups'"),
+        ("pipeline.sg_lr", 0.0, "pipeline.sg_lr", "must be > 0.0"),
+        ("pipeline.max_in_flight", 0, "pipeline.max_in_flight", "at least 1"),
+        ("pipeline.sg_fit_rows", -1, "pipeline.sg_fit_rows", "at least 0"),
+        ("pipeline.sg_fit_rows", 17, "pipeline.sg_fit_rows", "more than data.batch_size = 16"),
+        ("pipeline.micro_batches", 2, "pipeline.micro_batches", "applies only when pipeline.method is 'sync'"),
+        ("pipeline.n_fetch", 2, "pipeline.n_fetch", "applies only when pipeline.replicas > 1"),
+        ("pipeline.replicas", 0, "pipeline.replicas", "at least 1"),
+        ("pipeline.replicas", 1001, "pipeline.replicas", "more than data.n_train"),
+        ("pipeline.placement", [0, 1], "pipeline.placement", "2 entries for 3 groups"),
+        ("pipeline.placement", [0, 2, 2], "pipeline.placement", r"leaves workers \[1\] without a group"),
+        ("pipeline.placement", [0, -1, 1], "pipeline.placement", ">= 0"),
+        ("optimizer.name", "adagrad", "optimizer.name", "stages train with 'adam' or 'sgd'"),
+        ("optimizer.clip_norm", 1.0, "optimizer.clip_norm", "does not apply in mode 'pipeline'"),
+        ("optimizer.weight_decay", 0.1, "optimizer.weight_decay", "does not apply in mode 'pipeline' with pipeline.replicas = 1"),
+        ("model", {"factory": "torch.nn:Identity"}, "model.factory", "returns a Identity; mode 'pipeline' cuts an nn.Sequential"),
+        ("downpour", {"n_replicas": 2}, "downpour", "does not apply: job.mode is 'pipeline'"),
     ],
 )
 def test_bad_dni_configs_name_the_key(dotted: str, value: Any, key: str, message: str) -> None:
@@ -102,14 +115,14 @@ def test_bad_dni_configs_name_the_key(dotted: str, value: Any, key: str, message
 
 
 def test_sync_rules() -> None:
-    sync = with_(base(), "dni.variant", "sync")
-    assert parse_config(with_(sync, "dni.micro_batches", 8)).dni.micro_batches == 8
+    sync = with_(base(), "pipeline.method", "sync")
+    assert parse_config(with_(sync, "pipeline.micro_batches", 8)).settings.micro_batches == 8
     for key, value in (("synthetic_inputs", True), ("sg_lr", 1e-3), ("sg_fit_rows", 8), ("max_in_flight", 2)):
-        with pytest.raises(ConfigError, match=f"'dni.{key}' applies only when dni.variant is 'dni' or 'cdni'"):
-            parse_config(with_(sync, f"dni.{key}", value))
+        with pytest.raises(ConfigError, match=f"'pipeline.{key}' applies only when pipeline.method is 'dni' or 'cdni'"):
+            parse_config(with_(sync, f"pipeline.{key}", value))
     with pytest.raises(ConfigError, match="more than data.batch_size = 16") as err:
-        parse_config(with_(sync, "dni.micro_batches", 17))
-    assert err.value.key == "dni.micro_batches"
+        parse_config(with_(sync, "pipeline.micro_batches", 17))
+    assert err.value.key == "pipeline.micro_batches"
 
 
 def test_deferred_evaluation_rules() -> None:
@@ -117,14 +130,13 @@ def test_deferred_evaluation_rules() -> None:
     with pytest.raises(ConfigError, match="cannot be used with stop.target_accuracy") as err:
         parse_config(with_(with_(base(), "eval.deferred", True), "stop.target_accuracy", 0.9))
     assert err.value.key == "eval.deferred"
-    hogwild = with_(with_(base(), "job.mode", "hogwild"), "dni", DELETE)
-    with pytest.raises(ConfigError, match="applies only in mode 'dni', not 'hogwild'"):
-        parse_config(with_(hogwild, "eval.deferred", True))
+    hogwild = with_(with_(base(), "job.mode", "hogwild"), "pipeline", DELETE)
+    assert parse_config(with_(hogwild, "eval.deferred", True)).eval.deferred  # every mode defers alike
     with pytest.raises(ConfigError, match="must be true or false"):
         parse_config(with_(base(), "eval.deferred", "yes"))
 
 
 def test_replicated_groups_take_any_ps_optimizer() -> None:
-    raw = with_(with_(base(), "dni.replicas", 2), "optimizer", {"name": "adagrad", "lr": 0.05})
-    config = parse_config(with_(raw, "dni.n_push", 2))
-    assert (config.optimizer.name, config.dni.n_push, config.dni.n_workers) == ("adagrad", 2, 6)
+    raw = with_(with_(base(), "pipeline.replicas", 2), "optimizer", {"name": "adagrad", "lr": 0.05})
+    config = parse_config(with_(raw, "pipeline.n_push", 2))
+    assert (config.optimizer.name, config.settings.n_push, config.settings.n_workers) == ("adagrad", 2, 6)

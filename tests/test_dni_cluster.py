@@ -16,7 +16,7 @@ import pytest
 DIGITS = """
 [job]
 name = "{name}"
-mode = "dni"
+mode = "pipeline"
 seed = 0
 output_dir = "{out}"
 
@@ -36,9 +36,9 @@ batch_size = 32
 name = "adam"
 lr = 1e-3
 
-[dni]
+[pipeline]
 groups = [[0, 1], [2]]
-variant = "cdni"
+method = "cdni"
 max_in_flight = 4
 
 [stop]
@@ -93,7 +93,7 @@ def test_two_group_cdni_job_trains_digits_in_separate_processes(tmp_path: Path) 
     hosts = {metrics["group0_address"].split("@")[1], metrics["group1_address"].split("@")[1]}
     assert hosts == workers and coordinator not in hosts
     assert (out / "accuracy.png").stat().st_size > 1000
-    assert "layer groups       2 x 1 pipeline(s), variant cdni" in proc.stdout
+    assert "layer groups       2 x 1 pipeline(s), method cdni" in proc.stdout
 
 
 
@@ -192,14 +192,14 @@ def test_killed_group_process_fails_the_run_naming_the_group(tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("edit", "message", "role"),
     [
-        (("groups = [[0, 1], [2]]", "groups = [[0, 1], [1, 2]]"), "'dni.groups': layer 1 is in group 0 and in group 1",
+        (("groups = [[0, 1], [2]]", "groups = [[0, 1], [1, 2]]"), "'pipeline.groups': layer 1 is in group 0 and in group 1",
          "local"),
-        (("groups = [[0, 1], [2]]", "groups = [[0, 1], [1, 2]]"), "'dni.groups': layer 1 is in group 0 and in group 1",
+        (("groups = [[0, 1], [2]]", "groups = [[0, 1], [1, 2]]"), "'pipeline.groups': layer 1 is in group 0 and in group 1",
          "coordinator"),
-        (("groups = [[0, 1], [2]]", "groups = [[0, 1]]"), r"'dni.groups': layers [2] are in no group", "local"),
-        (("groups = [[0, 1], [2]]", "groups = [[0, 1], []]"), "'dni.groups' group 1 is empty", "coordinator"),
-        (('variant = "cdni"', 'variant = "cdnii"'), "'dni.variant' is 'cdnii'", "local"),
-        (("max_in_flight = 4", "max_inflight = 4"), "unknown key 'dni.max_inflight' (did you mean 'max_in_flight'?)",
+        (("groups = [[0, 1], [2]]", "groups = [[0, 1]]"), r"'pipeline.groups': layers [2] are in no group", "local"),
+        (("groups = [[0, 1], [2]]", "groups = [[0, 1], []]"), "'pipeline.groups' group 1 is empty", "coordinator"),
+        (('method = "cdni"', 'method = "cdnii"'), "'pipeline.method' is 'cdnii'", "local"),
+        (("max_in_flight = 4", "max_inflight = 4"), "unknown key 'pipeline.max_inflight' (did you mean 'max_in_flight'?)",
          "local"),
         (('name = "adam"', 'name = "adagrad"'), "'optimizer.name' is 'adagrad'", "local"),
     ],

@@ -105,7 +105,7 @@ def test_page_shows_a_dni_job_and_its_layer_groups(tmp_path: Path) -> None:
         address = cluster.page_address()
         status = wait_for_data(cluster, address)
         assert sorted(m["role"] for m in status["members"]) == ["coordinator", "worker", "worker"]
-        assert status["job"]["mode"] == "dni" and status["job"]["state"] == "training"
+        assert status["job"]["mode"] == "pipeline" and status["job"]["state"] == "training"
         groups = status["replicas"]
         assert len(groups) == 2 and all(name.startswith("layer-group-") for name in groups), groups
         assert list(groups.values()) == ["alive", "alive"]

@@ -20,7 +20,7 @@ import difflib
 import math
 import re
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TypeVar
 
 import msgspec
@@ -53,6 +53,8 @@ class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
 
     only_for: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {}
     """key -> (sibling key, the sibling's values it applies to)."""
+    renamed: ClassVar[dict[str, str]] = {}
+    """former key -> the key that replaced it (named in the error)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -93,9 +95,14 @@ def _note_literals(cls: type) -> None:
         walk(hint)
 
 
+_VIOLATED: dict[str, tuple[str, Callable[[float, float], bool]]] = {
+    "gt": (">", lambda v, b: v <= b), "ge": (">=", lambda v, b: v < b),
+    "lt": ("<", lambda v, b: v >= b), "le": ("<=", lambda v, b: v > b),
+}
+
+
 def _bounds(t: Any, value: float) -> str | None:
-    for attr, op, bad in (("gt", ">", lambda v, b: v <= b), ("ge", ">=", lambda v, b: v < b),
-                          ("lt", "<", lambda v, b: v >= b), ("le", "<=", lambda v, b: v > b)):
+    for attr, (op, bad) in _VIOLATED.items():
         bound = getattr(t, attr, None)
         if bound is not None and bad(value, bound):
             if isinstance(t, mi.IntType) and attr == "ge":
@@ -143,7 +150,9 @@ def _problem(value: Any, t: Any) -> str | None:
     if isinstance(t, mi.VarTupleType | mi.ListType):
         if not isinstance(value, list | tuple):
             return f"must be an array of {_kind(t.item_type, plural=True)}, got {_type_name(value)}"
-        return next((p for v in value if (p := _problem(v, t.item_type))), None)
+        if any(_problem(v, t.item_type) for v in value):
+            return f"must be an array of {_kind(t.item_type, plural=True)}, got {value!r}"
+        return None
     return None
 
 
@@ -157,8 +166,10 @@ def _kind(t: Any, plural: bool = False) -> str:
         return f"number{s}" if plural else "a number"
     if isinstance(t, mi.StrType):
         return f"string{s}" if plural else "a string"
-    if isinstance(t, mi.VarTupleType | mi.ListType | mi.TupleType):
-        return f"arrays of {_kind(getattr(t, 'item_type', None) or t.item_types[0], True)}"
+    if isinstance(t, mi.TupleType):
+        return f"arrays of {_kind(t.item_types[0], True)}"
+    if isinstance(t, mi.VarTupleType | mi.ListType):
+        return f"arrays of {_kind(t.item_type, True)}"
     return "a value"
 
 
@@ -173,6 +184,8 @@ def convert_section(name: str, raw: Any, cls: type[S]) -> S:
         raise ConfigError(f"'{name}' must be a table, got {_type_name(raw)}", name)
     keys = section_keys(cls)
     for key in raw:
+        if key in cls.renamed:
+            raise ConfigError(f"'{name}.{key}' was renamed: use '{name}.{cls.renamed[key]}'", f"{name}.{key}")
         if key not in keys:
             raise ConfigError(unknown_key(f"{name}.{key}", key, keys), f"{name}.{key}")
     fields = {f.name: f for f in mi.type_info(cls).fields}  # type: ignore[attr-defined]
@@ -216,8 +229,8 @@ def to_table(section: Section) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in mi.type_info(type(section)).fields:  # type: ignore[attr-defined]
         value = getattr(section, f.name)
-        default = f.default_factory() if f.default_factory is not mi.NODEFAULT else f.default
-        if value is None or (f.default is not mi.NODEFAULT or f.default_factory is not mi.NODEFAULT) and value == default:
+        default = f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
+        if value is None or (f.default is not msgspec.NODEFAULT or f.default_factory is not msgspec.NODEFAULT) and value == default:
             continue
         out[f.name] = msgspec.to_builtins(value)
     return out
@@ -235,7 +248,8 @@ def _describe(t: Any) -> str:
         limits = [f"{op} {getattr(t, a)}" for a, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
                   if getattr(t, a) is not None]
         return f"{kind} {', '.join(limits)}".strip()
-    return {mi.StrType: "str", mi.BoolType: "bool", mi.DictType: "table"}.get(type(t), "array")
+    names: dict[type, str] = {mi.StrType: "str", mi.BoolType: "bool", mi.DictType: "table"}
+    return names.get(type(t), "array")
 
 
 def _description(t: Any) -> str:
@@ -255,7 +269,7 @@ def reference(name: str, cls: type[Section]) -> Iterator[str]:
         if f.required:
             default = "required"
         else:
-            value = f.default_factory() if f.default_factory is not mi.NODEFAULT else f.default
+            value = f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
             default = f"default `{msgspec.json.encode(msgspec.to_builtins(value)).decode()}`"
         rule = cls.only_for.get(f.name)
         applies = f"; only when `{rule[0]}` is {' or '.join(f'`{v}`' for v in rule[1])}" if rule else ""

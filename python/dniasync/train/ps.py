@@ -32,9 +32,7 @@ STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
 
 def make_store(optimizer: OptimizerSpec, n: int, segment: str = SEGMENT, shm_name: str | None = None) -> _core.ParamStore:
     """A one-segment store with ``optimizer``'s state."""
-    return _core.ParamStore(
-        [(segment, n)], optimizer.name, shm_name=shm_name, **optimizer.store_options()  # type: ignore[arg-type]
-    )
+    return optimizer.store([(segment, n)], shm_name=shm_name)
 
 
 class PSShard(Actor):

@@ -108,10 +108,7 @@ class _Hogwild:
 
     def __init__(self, spec: SharedStoreSpec, model: torch.nn.Module, replica: ReplicaSpec) -> None:
         n = sum(p.numel() for p in model.parameters())
-        self.store = _core.ParamStore.attach(
-            spec.name, [(HOGWILD_SEGMENT, n)], replica.optimizer.name,  # type: ignore[arg-type]
-            **replica.optimizer.store_options(),
-        )
+        self.store = replica.optimizer.attach(spec.name, [(HOGWILD_SEGMENT, n)])
         self.flat = FlatModel(model, self.store.view(HOGWILD_SEGMENT))
         self.lr = replica.optimizer.lr
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import _core
 from ..actors import ActorRef, message
 from .data import ShardPlan, load_dataset, split
 
@@ -29,6 +30,7 @@ __all__ = [
     "ReplicaSpec",
     "ShardSpec",
     "SharedStoreSpec",
+    "StagesSpec",
 ]
 
 
@@ -86,10 +88,16 @@ class OptimizerSpec:
     weight_decay: float = 0.0
     clip_norm: float | None = None
 
-    def store_options(self) -> dict[str, float]:
-        """Keyword arguments of ``_core.ParamStore`` for this optimizer's state."""
-        return {"momentum": self.momentum, "beta1": self.betas[0], "beta2": self.betas[1], "eps": self.eps,
-                "weight_decay": self.weight_decay}
+    def store(self, segments: list[tuple[str, int]], *, shm_name: str | None = None) -> _core.ParamStore:
+        """A new ``ParamStore`` holding ``segments`` and this optimizer's state (in ``/dev/shm`` if named)."""
+        return _core.ParamStore(segments, self.name, momentum=self.momentum, beta1=self.betas[0],  # type: ignore[arg-type]
+                                beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay, shm_name=shm_name)
+
+    def attach(self, shm_name: str, segments: list[tuple[str, int]]) -> _core.ParamStore:
+        """The store another process created as ``shm_name`` (the same segments and optimizer)."""
+        return _core.ParamStore.attach(shm_name, segments, self.name, momentum=self.momentum,  # type: ignore[arg-type]
+                                       beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+                                       weight_decay=self.weight_decay)
 
 
 @message("dniasync.train.CodecSpec")
@@ -149,3 +157,24 @@ class ReplicaSpec:
     sync: PSLinkSpec | SharedStoreSpec
     coordinator: str
     """Where its progress reports go (the job runner's address)."""
+
+
+@message("dniasync.train.StagesSpec")
+@dataclass(frozen=True)
+class StagesSpec:
+    """The stages of pipeline ``pipeline`` that one worker hosts (``hosted``: indices into ``groups``)."""
+
+    model: ModelSpec
+    groups: list[list[int]]
+    """The whole cut: layer indices of each stage."""
+    hosted: list[int]
+    pipeline: int
+    replicas: int
+    settings: dict[str, Any]
+    """The fields of :class:`~dniasync.train.pipeline.StageSettings`."""
+    in_features: int
+    mailbox_size: int
+    ps: list[ActorRef]
+    """With ``replicas > 1``: the PS shard of each hosted stage."""
+    n_fetch: int = 1
+    n_push: int = 1

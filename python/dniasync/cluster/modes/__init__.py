@@ -113,13 +113,20 @@ class ModeJob(Protocol):
 class Mode(Protocol):
     """A training method, as config parsing, the node and the launcher see it."""
 
-    name: str
-    settings: type[Section]
-    """The schema of the mode's own section (``[<name>]``)."""
-    shards_key: str
-    """The dotted key that sets how many data shards there are (named in errors)."""
-    worker_kind: str
-    """What a worker process is called in messages (``replica``, ``layer-group worker``)."""
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def settings(self) -> type[Section]:
+        """The schema of the mode's own section (``[<name>]``)."""
+
+    @property
+    def shards_key(self) -> str:
+        """The dotted key that sets how many data shards there are (named in errors)."""
+
+    @property
+    def worker_kind(self) -> str:
+        """What a worker process is called in messages (``replica``, ``layer-group worker``)."""
 
     def data_shards(self, settings: Any) -> int: ...
 

@@ -42,9 +42,7 @@ class _HogwildJob(DataParallelJob):
         name = f"{config.job.name}-{os.getpid()}"
         if os.path.exists(f"/dev/shm/dniasync-{name}") and _core.ParamStore.is_stale(name):
             _core.ParamStore.remove_stale(name)  # left by a crashed run with our pid
-        opt = self.optimizer_spec
-        self.store = _core.ParamStore([(HOGWILD_SEGMENT, self.n_params)], opt.name,  # type: ignore[arg-type]
-                                      shm_name=name, **opt.store_options())
+        self.store = self.optimizer_spec.store([(HOGWILD_SEGMENT, self.n_params)], shm_name=name)
         self.store.write(HOGWILD_SEGMENT, self.initial)
         self.shm_name = name
         self.segment = HOGWILD_SEGMENT

@@ -36,6 +36,7 @@ class PipelineConfig(Section, frozen=True):
     """The cut into stages, the update rule, SG models, placement, replicas (mode `pipeline`)."""
 
     only_for = {**{key: ("method", ("dni", "cdni")) for key in _SG_KEYS}, "micro_batches": ("method", ("sync",))}
+    renamed = {"variant": "method"}
 
     groups: Annotated[tuple[tuple[int, ...], ...], Meta(description=(
         "layer indices of the `nn.Sequential` per stage, e.g. `[[0, 1], [2, 3], [4]]`; contiguous, ordered, every "

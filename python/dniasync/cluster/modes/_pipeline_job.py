@@ -1,0 +1,321 @@
+"""The coordinator side of a pipeline job, and the worker side that hosts its stages.
+
+Each worker host gets one placement slot (a pipeline and the stages of it
+that worker holds), builds the model from the factory and seed, cuts it and
+spawns its :class:`~dniasync.train.pipeline.Stage` actors. Once every stage is
+up, the job drives one :class:`~dniasync.train.pipeline.PipelineDriver` per
+pipeline, each on its own data shard, fed from a resumable
+:class:`~dniasync.train.data.DataCursor`. Evaluation takes a copy of the
+stages' weights (or, with replicas, of the PS shards'), so it takes no time
+from the stages. A stage that dies fails the job, naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from ...actors import ActorRef, Directive
+from ...train.data import DataCursor
+from ...train.messages import Params, Progress, Pull
+from ...train.specs import CodecSpec, ShardSpec, StagesSpec
+from ..config import Config
+from ..plan import data_spec, model_spec, optimizer_spec
+from ..protocol import Assignment, JoinJob, NoJob, Ready
+from ..report import RunReport
+from . import JobFailed, Snapshot
+from .downpour import record_ps_stats
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...train.pipeline import PipelineDriver, StageStats
+    from ..hosts import Host
+    from ..job import JobRunner
+    from .pipeline import PipelineConfig
+
+__all__ = ["EVENT_GROUP_FAILED", "PipelineJob", "group_name", "host_stages"]
+
+log = logging.getLogger("dniasync.cluster.modes")
+
+EVENT_GROUP_FAILED: Final = "group_failed"
+EVENT_GROUPS_PLACED: Final = "groups_placed"
+
+
+def group_name(pipeline: int, group: int, replicas: int) -> str:
+    """The actor name of a stage: ``layer-group-k`` (``layer-group-r-k`` with replicas)."""
+    return f"layer-group-{group}" if replicas == 1 else f"layer-group-{pipeline}-{group}"
+
+
+class PipelineJob:
+    """Places the stages of every pipeline on the workers that join, then drives and evaluates them."""
+
+    def __init__(self, config: Config, runner: JobRunner) -> None:
+        import torch
+
+        from ...train.flat import FlatModel, flatten_parameters
+        from ...train.pipeline import Schedule, split_sequential
+
+        torch.set_num_threads(1)
+        self.config = config
+        self.runner = runner
+        self.p: PipelineConfig = config.settings
+        self.model_spec, self.data_spec = model_spec(config), data_spec(config)
+        self.x_train, self.y_train, self.x_test, self.y_test = self.data_spec.load_split()
+        self.num_classes = int(max(int(self.y_train.max()), int(self.y_test.max()))) + 1
+        self.in_features = int(self.x_train.shape[1])
+        model = self.model_spec.build()
+        assert isinstance(model, torch.nn.Sequential)  # checked when the config was resolved
+        self.eval_model = model
+        self.eval_parts = split_sequential(model, self.p.groups)
+        self.eval_buffers = [flatten_parameters(part) for part in self.eval_parts]
+        self.eval_flats = [FlatModel(part, buf) for part, buf in zip(self.eval_parts, self.eval_buffers)]
+        self.schedule = Schedule.for_rule(self.p.method, max_in_flight=self.p.max_in_flight,
+                                          micro_batches=self.p.micro_batches)
+        n_pipelines, n_groups = self.p.replicas, len(self.p.groups)
+        # placement slots, handed out in this order: (pipeline, stages on that worker)
+        self.slots: list[tuple[int, list[int]]] = [
+            (r, [k for k, w in enumerate(self.p.group_workers) if w == worker])
+            for r in range(n_pipelines) for worker in range(self.p.workers_per_pipeline)
+        ]
+        self.hosts: dict[str, int] = {}
+        """worker host -> slot index"""
+        self.refs: list[list[ActorRef | None]] = [[None] * n_groups for _ in range(n_pipelines)]
+        self.shard_plan = self.data_spec.shard_plan()
+        self.cursors = [DataCursor(r) for r in range(n_pipelines)]
+        self.drivers: list[PipelineDriver] = []
+        self.tasks: list[asyncio.Task[None]] = []
+        self._sg_first: dict[str, float] = {}
+        self._sg_last: dict[str, float] = {}
+        self._stage_bytes: dict[str, tuple[int, int]] = {}
+
+    def stage_settings(self) -> dict[str, Any]:
+        from ...train.pipeline import StageSettings
+
+        p, opt = self.p, self.config.optimizer
+        settings = StageSettings(
+            rule=p.method, lr=opt.lr, optimizer="sgd" if opt.name == "sgd" else "adam",  # replicas: the PS applies it
+            num_classes=self.num_classes, cache_size=max(64, 2 * p.max_in_flight, 2 * p.micro_batches),
+            sg_hidden_layers=p.sg_hidden_layers, sg_hidden_width=p.sg_hidden_width, sg_lr=p.sg_lr,
+            sg_fit_rows=p.sg_fit_rows, synthetic_inputs=p.synthetic_inputs,
+        )
+        return asdict(settings)
+
+    def ps_shards(self) -> list[Any]:
+        if self.p.replicas == 1:
+            return []
+        opt = optimizer_spec(self.config)
+        return [ShardSpec(k, 0, buffer.copy(), opt, CodecSpec()) for k, buffer in enumerate(self.eval_buffers)]
+
+    # -- placement ------------------------------------------------------------------
+    def assign(self, join: JoinJob) -> Assignment | NoJob:
+        if self.drivers:
+            return NoJob("every stage is placed and training", retry=False)
+        slot = self.hosts.get(join.member)
+        if slot is None:
+            if len(self.hosts) == len(self.slots):
+                return NoJob("every stage is placed", retry=False)
+            slot = self.hosts[join.member] = len(self.hosts)
+        pipeline, groups = self.slots[slot]
+        log.info("pipeline %d, stages %s go to %s", pipeline, groups, join.member)
+        ps = [ref for k in groups if self.runner.ps for ref in [self.runner.ps[k]] if ref is not None]
+        return Assignment(StagesSpec(
+            self.model_spec, [list(g) for g in self.p.groups], groups, pipeline, self.p.replicas,
+            self.stage_settings(), self.in_features, self.schedule.stage_mailbox_size(), ps,
+            self.p.n_fetch, self.p.n_push,
+        ))
+
+    async def ready(self, ready: Ready) -> None:
+        slot = self.hosts.get(ready.member)
+        if slot is None:
+            return
+        pipeline, groups = self.slots[slot]
+        for k, ref in zip(groups, ready.refs):
+            self.refs[pipeline][k] = ref
+        if not self.drivers and all(ref is not None for row in self.refs for ref in row):
+            await self._start()
+
+    async def _start(self) -> None:
+        from ...train.pipeline import PipelineBroken, PipelineDriver
+
+        pipelines = [[ref for ref in row if ref is not None] for row in self.refs]
+        addresses = ", ".join(ref.address for row in pipelines for ref in row)
+        for r, refs in enumerate(pipelines):
+            driver = PipelineDriver(self.runner.system, refs, self.schedule, synthetic_inputs=self.p.synthetic_inputs,
+                                    name=f"pipeline-monitor-{r}")
+            self.drivers.append(driver)
+            try:
+                await driver.start()
+            except PipelineBroken as exc:
+                raise JobFailed(f"layer group {exc.address} is down ({exc.reason})", EVENT_GROUP_FAILED,
+                                group=exc.address) from None
+        self.runner.mark_started()
+        self.runner.event(EVENT_GROUPS_PLACED, groups=addresses)
+        log.info("training %d pipeline(s) over %s", len(pipelines), addresses)
+        self.tasks = [asyncio.create_task(self._train(r, d), name=f"pipeline-{r}") for r, d in enumerate(self.drivers)]
+
+    def _batches(self, r: int) -> Iterator[torch.Tensor]:
+        import torch
+
+        while self.cursors[r].epoch < self.config.stop.max_epochs:
+            indices, self.cursors[r] = self.shard_plan.next_batch(self.cursors[r], self.config.data.batch_size)
+            yield torch.from_numpy(np.ascontiguousarray(indices))
+
+    async def _train(self, r: int, driver: PipelineDriver) -> None:
+        result = await driver.train(self.x_train, self.y_train, self._batches(r))
+        self._note_stats(r, result.stats)  # asked of the stages last: their SG losses are the latest
+
+    # -- the runner's questions ---------------------------------------------------------
+    def progress(self, msg: Progress) -> None:
+        return
+
+    def _failure(self) -> JobFailed | None:
+        from ...train.pipeline import PipelineBroken
+
+        for task in self.tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                exc = task.exception()
+                if isinstance(exc, PipelineBroken):
+                    return JobFailed(f"layer group {exc.address} is down ({exc.reason})", EVENT_GROUP_FAILED,
+                                     group=exc.address)
+                return JobFailed(f"a pipeline failed: {exc!r}", EVENT_GROUP_FAILED, group="")
+        return None
+
+    def check(self, now: float) -> None:
+        failure = self._failure()
+        if failure is not None:
+            raise failure
+
+    def done(self) -> str | None:
+        if self.tasks and all(task.done() for task in self.tasks):
+            failure = self._failure()
+            if failure is not None:
+                raise failure
+            return f"trained {self.config.stop.max_epochs} epochs"
+        return None
+
+    def samples(self) -> int:
+        return sum(driver.samples_done for driver in self.drivers)
+
+    def steps(self) -> int:
+        return self.samples() // self.config.data.batch_size
+
+    def members(self) -> dict[str, str]:
+        return {ref.address: ("alive" if ref.is_alive else "dead") for row in self.refs for ref in row if ref}
+
+    def extra(self) -> dict[str, Any]:
+        return {"groups": len(self.p.groups), "pipelines": self.p.replicas, "method": self.p.method}
+
+    # -- evaluation -------------------------------------------------------------------
+    async def snapshot(self) -> Snapshot:
+        for r, driver in enumerate(self.drivers):
+            self._note_stats(r, await driver.stats())
+        if self.p.replicas == 1:
+            return Snapshot(await self.drivers[0].states())
+        replies = await asyncio.gather(*(ps.ask(Pull(), timeout=10.0) for ps in self.runner.ps if ps is not None))
+        shards: dict[int, np.ndarray] = {}
+        for reply in replies:
+            assert isinstance(reply, Params)
+            shards[reply.shard] = np.array(reply.values, copy=True)
+        return Snapshot(shards)
+
+    async def score(self, snapshot: Snapshot) -> tuple[float, float]:
+        from ...train.flat import evaluate
+
+        await self.runner.run_blocking(self._load, snapshot.weights)
+        return await self.runner.run_blocking(evaluate, self.eval_model, self.x_test, self.y_test)
+
+    def _load(self, weights: list[dict[str, torch.Tensor]] | dict[int, np.ndarray]) -> None:
+        import torch
+
+        if isinstance(weights, dict):
+            for shard, values in weights.items():
+                np.copyto(self.eval_buffers[shard], values)
+            return
+        with torch.no_grad():
+            for part, state in zip(self.eval_parts, weights):
+                part.load_state_dict(state)
+
+    # -- ending ---------------------------------------------------------------------
+    async def stop(self, reason: str) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    def _key(self, r: int, k: int) -> str:
+        return f"group{k}" if self.p.replicas == 1 else f"pipeline{r}_group{k}"
+
+    def _note_stats(self, r: int, stats: list[StageStats]) -> None:
+        """Each stage's mean SG loss since the previous stats request (first and latest kept) and PS bytes."""
+        for k, s in enumerate(stats):
+            key = self._key(r, k)
+            if math.isfinite(s.sg_loss):
+                self._sg_first.setdefault(key, s.sg_loss)
+                self._sg_last[key] = s.sg_loss
+            pushed, pulled = self._stage_bytes.get(s.address, (0, 0))
+            self.runner.report.add_bytes(pushed=s.bytes_pushed - pushed, pulled=s.bytes_pulled - pulled)
+            self._stage_bytes[s.address] = (s.bytes_pushed, s.bytes_pulled)
+
+    async def record(self, report: RunReport) -> None:
+        p = self.p
+        report.set_metric("groups", len(p.groups))
+        report.set_metric("pipelines", p.replicas)
+        report.set_metric("method", p.method)
+        report.set_metric("synthetic_inputs", p.synthetic_inputs)
+        for r, driver in enumerate(self.drivers):
+            stats = await driver.stats()
+            self._note_stats(r, stats)
+            for k, s in enumerate(stats):
+                key = self._key(r, k)
+                report.set_metric(f"{key}_address", s.address)
+                for name in ("steps", "sg_steps", "input_steps", "evictions", "late_gradients"):
+                    report.set_metric(f"{key}_{name}", int(getattr(s, name)))
+                if s.sg_steps:  # mean updates between a batch's forward and its SG fit
+                    report.set_metric(f"{key}_sg_staleness_mean", s.sg_staleness_total / s.sg_steps)
+                if math.isfinite(s.input_loss):
+                    report.set_metric(f"{key}_input_loss_last", s.input_loss)
+        await record_ps_stats(report, self.runner.ps)  # one shard per stage
+        for key, value in self._sg_first.items():
+            report.set_metric(f"{key}_sg_loss_first", value)
+            report.set_metric(f"{key}_sg_loss_last", self._sg_last[key])
+
+    async def close(self) -> None:
+        for driver in self.drivers:
+            await driver.close()
+
+
+async def host_stages(host: Host, spec: StagesSpec) -> list[ActorRef]:
+    """On a worker node: build the model, cut it, spawn the stages ``spec`` assigns to this worker."""
+    pipeline_module = await host.run_blocking(importlib.import_module, "dniasync.train.pipeline")  # torch: seconds
+    param_sync = importlib.import_module("dniasync.train.param_sync")
+    settings = pipeline_module.StageSettings(**spec.settings)
+    stages = await host.run_blocking(_build, spec, settings)
+    refs = []
+    for i, k in enumerate(spec.hosted):
+        name = group_name(spec.pipeline, k, spec.replicas)
+        params = None
+        if spec.replicas > 1:
+            params = param_sync.PSParams(stages[k].layers, [spec.ps[i]], replica=f"{name}@{host.system.node}",
+                                         n_fetch=spec.n_fetch, n_push=spec.n_push)
+        refs.append(await host.spawn(pipeline_module.Stage, *stages[k].args(), params=params, name=name,
+                                     mailbox_size=spec.mailbox_size, supervision=Directive.STOP))
+    log.info("hosting layer groups %s of pipeline %d", spec.hosted, spec.pipeline)
+    return refs
+
+
+def _build(spec: StagesSpec, settings: Any) -> list[Any]:
+    import torch
+
+    from ...train.pipeline import build_stages
+
+    torch.set_num_threads(1)
+    model = spec.model.build()
+    assert isinstance(model, torch.nn.Sequential)  # checked when the config was resolved
+    return build_stages(model, spec.groups, settings, spec.in_features, seed=spec.model.seed)
