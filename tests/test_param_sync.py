@@ -116,6 +116,22 @@ async def test_dead_shard_is_retried_with_backoff_and_its_warnings_collapsed(cap
     assert caplog.records[-1].getMessage() == "replica r0: pull from shard 0 works again after 15 failures"
 
 
+async def test_only_an_answered_pull_ends_a_failed_push_run(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    dead = DeadShard()
+    link = ShardLink(np.zeros(4, dtype=np.float32), [(0, 4)], [ActorRef("ps-0@10.9.9.9:7000", dead)],
+                     replica="r0", incarnation=1, clock=lambda: now[0])
+    caplog.set_level(logging.INFO, logger="dniasync.train.param_sync")
+    await link.push(np.ones(4, dtype=np.float32), samples=1)
+    dead.up = True
+    now[0] = 0.06
+    await link.push(np.ones(4, dtype=np.float32), samples=1)  # delivered, but a tell proves nothing
+    assert link.bytes_pushed == 16 and [r.getMessage() for r in caplog.records][-1].startswith(
+        "replica r0: push to shard 0 failed")
+    assert await link.pull()
+    assert caplog.records[-1].getMessage() == "replica r0: push to shard 0 works again after 1 failures"
+
+
 def test_backoff_doubles_up_to_its_bound_and_resets_on_success() -> None:
     now = [0.0]
     backoff = Backoff(0.05, 2.0, clock=lambda: now[0])

@@ -6,9 +6,10 @@ pulls every shard into a local buffer (recording each shard's version), and
 pushes an accumulated gradient to every shard, compressed by a codec of its
 own (its residual stays here), as idempotent
 ``Push(replica, incarnation, seq, version, ...)`` messages. A shard that fails
-is retried with exponential backoff (0.05 s doubling to 2 s), so a dead shard
-costs a few attempts per second, and its warnings are collapsed into one log
-line per interval with a count.
+a pull or a push is retried with exponential backoff (0.05 s doubling to 2 s),
+so a dead shard costs a few attempts per second, until it answers a pull (a
+tell to a node that is down may vanish without an error); its warnings are
+collapsed into one log line per interval with a count.
 
 A pipeline stage steps its layers through a :class:`ParamSync`:
 :class:`LocalOptimizer` (one replica: torch's Adam or SGD) or :class:`PSParams`
@@ -167,13 +168,18 @@ class ShardLink:
         self._backoff = [Backoff(clock=clock) for _ in self.shards]
         self._warnings = CollapsedWarnings(log, clock=clock)
 
-    def _failed(self, i: int, what: str, exc: ActorError) -> None:
-        delay = self._backoff[i].failed()
-        self._warnings.failed(what, f"{exc} (next attempt in {delay:g} s)")
+    def _what(self, i: int, op: str) -> str:
+        return f"replica {self.replica}: {op} shard {i}"
 
-    def _succeeded(self, i: int, what: str) -> None:
+    def _failed(self, i: int, op: str, exc: ActorError) -> None:
+        delay = self._backoff[i].failed()
+        self._warnings.failed(self._what(i, op), f"{exc} (next attempt in {delay:g} s)")
+
+    def _answered(self, i: int) -> None:
+        """Shard ``i`` answered a pull: it is back, for pushes too."""
         self._backoff[i].succeeded()
-        self._warnings.recovered(what)
+        for op in ("pull from", "push to"):
+            self._warnings.recovered(self._what(i, op))
 
     async def pull(self) -> bool:
         """Pull every shard not backing off into the buffer; True if every shard answered."""
@@ -183,15 +189,14 @@ class ShardLink:
     async def _pull_one(self, i: int) -> bool:
         if not self._backoff[i].ready():
             return False
-        what = f"replica {self.replica}: pull from shard {i}"
         try:
             reply = await self.shards[i].ask(Pull(), timeout=self.ask_timeout_s)
         except ActorError as exc:
-            self._failed(i, what, exc)
+            self._failed(i, "pull from", exc)
             return False
         if not isinstance(reply, Params):
             raise TypeError(f"shard {i} answered a pull with {type(reply).__name__}")
-        self._succeeded(i, what)
+        self._answered(i)
         offset, length = self.ranges[i]
         np.copyto(self.buffer[offset:offset + length], reply.values)  # the model's parameters are views of it
         self.versions[i] = int(reply.version)
@@ -208,13 +213,13 @@ class ShardLink:
             compressed = self.codecs[i].compress(grad[offset:offset + length])
             push = Push(self.replica, self.incarnation, self.seq, self.versions[i], compressed.codec,
                         compressed.payload, samples)
-            what = f"replica {self.replica}: push to shard {i}"
             try:
                 await self.shards[i].tell(push)
             except ActorError as exc:
-                self._failed(i, what, exc)
+                self._failed(i, "push to", exc)
                 continue
-            self._succeeded(i, what)
+            # no reset of the backoff here: a tell to a node that is down may be dropped without an error,
+            # so only an answered pull proves the shard is back
             self.bytes_pushed += compressed.nbytes
             self.dense_bytes_pushed += 4 * length
         self.pushes += 1
