@@ -50,10 +50,9 @@ import _common  # noqa: E402
 import torch  # noqa: E402
 
 from dniasync.cluster.config import load_config  # noqa: E402
-from dniasync.cluster.coordinator import train_plan  # noqa: E402
+from dniasync.cluster.plan import data_spec  # noqa: E402
 from dniasync.train.models import build_model  # noqa: E402
 from dniasync.train.pipeline import train_backprop  # noqa: E402
-from dniasync.train.replica import load_split  # noqa: E402
 
 TARGET = 0.90
 METHODS = ("backprop", "sync", "dni", "cdni")
@@ -134,7 +133,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def run_backprop(config_path: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
     config = load_config(config_path)
-    x, y, ex, ey = load_split(train_plan(config))
+    x, y, ex, ey = data_spec(config).load_split()
     model = build_model(config.model.factory, config.model.kwargs, seed=config.job.seed)
     result = train_backprop(
         model, x, y, epochs=config.stop.max_epochs, batch_size=config.data.batch_size, seed=config.job.seed,
