@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import tomllib
@@ -17,6 +18,7 @@ from ..remote import RemoteSettings, WebSocketTransport, is_loopback, parse_host
 from ..runtime import run
 from ._membership import COORDINATOR, Join, Leave, join_cluster
 from . import _training  # noqa: F401  (registers the training side of the roles)
+from ._launchers import AutoStart, LauncherError, follow_job, resolve_auto
 from ._live import LivePage
 from ._local import run_local
 from ._metrics import mount_metrics
@@ -81,9 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--role",
-        choices=sorted([*ROLES, "local"]),
+        choices=sorted([*ROLES, "auto", "local"]),
         help="what this node does: " + ", ".join(sorted(ROLES)) + "; or 'local': a whole training cluster "
-        "on this machine from a job config (--config JOB.toml) (required)",
+        "on this machine from a job config (--config JOB.toml); or 'auto': the role and addresses from the "
+        "launcher's environment (srun, torchrun, Kubeflow) and the job config (required)",
     )
     parser.add_argument(
         "--listen",
@@ -143,8 +146,11 @@ def _load_config(path: str) -> dict[str, Any]:
     return table
 
 
-def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Merge the config file and the command line; validate. Raises ``_UsageError``."""
+def resolve_options(args: argparse.Namespace, *, token: bytes | None = None) -> dict[str, Any]:
+    """Merge the config file and the command line; validate. Raises ``_UsageError``.
+
+    ``token`` is the cluster token itself (``--role auto`` reads it from ``DNIASYNC_TOKEN``); a token file wins.
+    """
     options: dict[str, Any] = _load_config(args.config) if args.config else {}
     if args.config:
         options["config"] = args.config
@@ -174,7 +180,6 @@ def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
             raise _UsageError(str(exc)) from None
     if role in NEEDS_JOIN and "join" not in options:
         raise _UsageError(f"role {role} needs --join HOST:PORT (the coordinator's address)")
-    token: bytes | None = None
     if "token_file" in options:
         try:
             token = read_token_file(options["token_file"])
@@ -210,6 +215,8 @@ async def run_node(options: dict[str, Any]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     role: str = options["role"]
+    status = 0
+    follower: asyncio.Task[int] | None = None
     async with ActorSystem() as system:
         transport = WebSocketTransport(
             system,
@@ -237,6 +244,8 @@ async def run_node(options: dict[str, Any]) -> int:
             for cls, name in options["actors"]:
                 await system.spawn(cls, name=name)
             print(f"dniasync node {role} listening on {transport.address}", flush=True)
+            if "launch" in options:  # started by a launcher: the node lives as long as its job
+                follower = asyncio.create_task(follow_job(context), name="follow-job")
             joined = await _join(context)
             if joined:
                 print(f"dniasync node {transport.address} joined the cluster via {context.join}", flush=True)
@@ -245,8 +254,11 @@ async def run_node(options: dict[str, Any]) -> int:
             if joined:
                 await _leave(context)
         finally:
+            if follower is not None:
+                stop.set()
+                status = await follower
             await transport.close()
-    return 0
+    return status
 
 
 async def _join(context: NodeContext) -> bool:
@@ -278,6 +290,24 @@ async def _leave(context: NodeContext) -> None:
         log.warning("could not tell the coordinator this node leaves: %s", exc)
 
 
+def _apply_launcher(args: argparse.Namespace) -> AutoStart:
+    """``--role auto``: take the role, the addresses and the token from the launcher's environment."""
+    if not args.config:
+        raise _UsageError("--role auto needs --config JOB.toml: the job decides how many ranks take each role")
+    for flag in ("listen", "join", "advertise"):
+        if getattr(args, flag) is not None:
+            raise _UsageError(f"--role auto takes the addresses from the launcher's environment: drop --{flag}")
+    try:
+        auto = resolve_auto(args.config, os.environ, token_file=args.token_file)
+    except (LauncherError, ConfigError) as exc:
+        raise _UsageError(str(exc)) from None
+    placement = auto.placement
+    args.role, args.listen, args.join, args.advertise = (
+        placement.role, placement.listen, placement.join, placement.advertise)
+    args.token_file = auto.token_file
+    return auto
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m dniasync.node``; returns the exit status."""
     parser = build_parser()
@@ -290,12 +320,18 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=(args.log_level or "error").upper(), stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return run_local(args.config)
+    auto: AutoStart | None = None
     try:
-        options = resolve_options(args)
+        if args.role == "auto":
+            auto = _apply_launcher(args)
+        options = resolve_options(args, token=None if auto is None else auto.token)
     except _UsageError as exc:
         parser.print_usage(sys.stderr)
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
+    if auto is not None:
+        options["launch"] = auto.placement
+        print(auto.placement.describe(), flush=True)
     logging.basicConfig(
         level=options["log_level"].upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
