@@ -229,3 +229,11 @@ def test_load_config_file_errors_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="typo.toml: unknown key 'downpour.n_replica'") as err:
         load_config(typo)
     assert err.value.key == "downpour.n_replica"
+
+
+def test_the_config_reference_is_generated_from_the_schema() -> None:
+    from dniasync.cluster.config import config_reference
+
+    assert (ROOT / "docs" / "config.md").read_text() == "\n".join(config_reference()) + "\n", (
+        "docs/config.md is stale: python -m dniasync.cluster.config > docs/config.md"
+    )

@@ -32,13 +32,25 @@ __all__ = [
     "ParamStore",
     "ThresholdCodec",
     "kernel_isa",
+    "kernel_isas",
+    "set_kernel_isa",
 ]
 
 _OptimizerName: TypeAlias = Literal["sgd", "momentum", "nesterov", "adagrad", "adam"]
 _NonFinitePolicy: TypeAlias = Literal["reject", "allow"]
+_Isa: TypeAlias = Literal["avx512", "avx2", "base"]
 
-def kernel_isa() -> Literal["avx512", "avx2", "base"]:
-    """Instruction set the kernels run with here (``DNIASYNC_ISA=avx2|base`` caps it)."""
+def kernel_isa() -> _Isa:
+    """Instruction set the kernels run with now: the CPU's widest, capped by
+    ``DNIASYNC_ISA=avx2|base`` and by ``set_kernel_isa``."""
+
+def kernel_isas() -> list[_Isa]:
+    """Every instruction set the kernels can run with here (within ``DNIASYNC_ISA``),
+    narrowest first. Every one gives bit-identical results."""
+
+def set_kernel_isa(isa: _Isa | None) -> None:
+    """Caps the kernels of this process at ``isa`` (``None`` lifts the cap), to compare
+    instruction sets in one run. ``ValueError`` if ``isa`` is not in ``kernel_isas()``."""
 
 class NonFiniteGradientError(ValueError):
     """A gradient contained NaN or Inf; the update was rejected and counted."""

@@ -270,7 +270,7 @@ def reference(name: str, cls: type[Section]) -> Iterator[str]:
             default = "required"
         else:
             value = f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
-            default = f"default `{msgspec.json.encode(msgspec.to_builtins(value)).decode()}`"
+            default = "unset" if value is None else f"default `{msgspec.json.encode(msgspec.to_builtins(value)).decode()}`"
         rule = cls.only_for.get(f.name)
         applies = f"; only when `{rule[0]}` is {' or '.join(f'`{v}`' for v in rule[1])}" if rule else ""
         yield f"- `{f.name}` ({_describe(f.type)}, {default}{applies}): {_description(f.type)}"

@@ -36,7 +36,7 @@ __all__ = ["EVENT_EVAL_FAILED", "EVENT_PS_DOWN", "JobRunner", "MAX_DEFERRED_SNAP
 
 log = logging.getLogger("dniasync.cluster.job")
 
-PS_LOST_AFTER_S: Final = 15.0
+PS_LOST_AFTER_S: Final = 20.0
 """A PS shard unreachable this long ends the job (a freeze of a few seconds is survived)."""
 MAX_DEFERRED_SNAPSHOTS: Final = 256
 """``eval.deferred`` keeps at most this many sets of weights; beyond, the oldest is scored at once."""
@@ -110,6 +110,11 @@ class JobRunner(Actor):
         if self.started_at is None:
             self.started_at = time.monotonic()
             self.state = "training"
+
+    @property
+    def ending(self) -> bool:
+        """The job has stopped training (its summary is being, or has been, written)."""
+        return self._ending is not None
 
     def event(self, kind: str, **details: Any) -> None:
         self.report.record_event(self.wall(), kind, **details)

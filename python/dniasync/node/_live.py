@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from ..actors import ActorError
+from ..cluster.modes import get_mode
 from ..cluster.telemetry import TRAINERS
 from ..metrics import NodeMetrics
 from ..remote import WebSocketTransport, is_loopback, parse_hostport
@@ -163,7 +164,7 @@ class LivePage:
             doc["job"] = {
                 "name": s.job, "mode": s.mode, "state": s.state, "wall_s": s.wall_s, "samples": s.samples,
                 "epochs": s.epochs, "max_epochs": s.max_epochs, "accuracy": s.accuracy, "loss": s.loss,
-                "samples_per_s": s.samples_per_s,
+                "samples_per_s": s.samples_per_s, "member_kind": get_mode(s.mode).member_kind,
             }
             doc["replicas"] = dict(s.replicas)
             doc["history"] = [{"wall_s": p.wall_s, "samples": p.samples, "accuracy": p.accuracy, "loss": p.loss}

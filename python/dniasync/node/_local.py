@@ -83,6 +83,15 @@ def _write_json(path: Path, doc: Any) -> None:
     tmp.replace(path)
 
 
+def _end_with_launcher() -> None:
+    """In the child before exec: SIGTERM it if the launcher dies, even by SIGKILL (nothing is left behind)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -97,6 +106,7 @@ async def _spawn(cluster: _Cluster, role: str, index: int, args: list[str]) -> _
         sys.executable, "-m", "dniasync.node", "--role", role, *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
         env=_child_env(), start_new_session=True,  # Ctrl-C reaches the launcher, which stops the children
+        preexec_fn=_end_with_launcher,
     )
     child = _Child(role, proc, log)
     cluster.children.append(child)

@@ -21,6 +21,7 @@ which is also its liveness signal.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -144,7 +145,7 @@ class Replica(Actor):
         self._loss_sum = 0.0
         self._loss_n = 0
         self._last_loss = float("nan")
-        self._last_report = 0.0
+        self._reporter: asyncio.Task[None] | None = None
 
     async def on_start(self) -> None:
         self.coordinator: ActorRef = self.system.ref(self.spec.coordinator)
@@ -152,6 +153,8 @@ class Replica(Actor):
         track_replica(self.system, self)
         self.running = True
         log.info("replica %s: training shards %s", self.name, sorted(self.cursors))
+        # reports go on a clock of their own: a step waiting on a frozen PS shard must not look like death
+        self._reporter = asyncio.create_task(self._report_forever(), name=f"{self.name}-progress")
         self._next_step()
 
     def _setup(self) -> None:
@@ -218,10 +221,6 @@ class Replica(Actor):
         self._loss_sum += sum(losses)
         self._loss_n += len(losses)
         await self.sync.after(self.steps, samples)
-        now = time.monotonic()
-        if now - self._last_report >= self.progress_every_s:
-            self._last_report = now
-            await self._report()
         if self.running:
             self._next_step()
 
@@ -250,6 +249,16 @@ class Replica(Actor):
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         self.sync.after_backward()
         return float(loss.detach())
+
+    async def on_stop(self) -> None:
+        if self._reporter is not None:
+            self._reporter.cancel()
+            await asyncio.gather(self._reporter, return_exceptions=True)
+
+    async def _report_forever(self) -> None:
+        while self.running:
+            await asyncio.sleep(self.progress_every_s)
+            await self._report()
 
     async def _report(self) -> None:
         if self._loss_n:

@@ -128,6 +128,10 @@ class Mode(Protocol):
     def worker_kind(self) -> str:
         """What a worker process is called in messages (``replica``, ``layer-group worker``)."""
 
+    @property
+    def member_kind(self) -> str:
+        """What the job's status lists as its members (``replica``, ``layer group``)."""
+
     def data_shards(self, settings: Any) -> int: ...
 
     def check(self, config: Config, raw: Mapping[str, Any]) -> None:

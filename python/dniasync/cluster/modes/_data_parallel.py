@@ -40,6 +40,8 @@ log = logging.getLogger("dniasync.cluster.modes")
 
 FIRST_PROGRESS_GRACE_S = 60.0
 """A replica that was assigned gets this long to load its data and report once."""
+SLOW_FACTOR = 4
+"""A silent replica whose node still answers heartbeats is given this many liveness periods."""
 
 
 WORKER_HOST = "worker-host"
@@ -130,6 +132,8 @@ class DataParallelJob:
         state = self.replicas.get(replica_name(ready.member))
         if state is not None and state.incarnation == ready.incarnation and ready.refs:
             state.ref = ready.refs[0]
+            if self.runner.ending:  # it came up after the job ended: it has nothing to train
+                await self.stop_one(state, "the job has ended")
 
     def progress(self, msg: Progress) -> None:
         state = self.replicas.get(msg.replica)
@@ -148,9 +152,16 @@ class DataParallelJob:
 
     def check(self, now: float) -> None:
         for name, state in list(self.replicas.items()):
-            limit = self.runner.liveness_s if state.reported else FIRST_PROGRESS_GRACE_S
-            if state.status == "alive" and now - state.last_seen > limit:
-                self._declare_dead(name, f"silent for {now - state.last_seen:.1f} s")
+            if state.status != "alive":
+                continue
+            silent = now - state.last_seen
+            if not state.reported:
+                dead = silent > FIRST_PROGRESS_GRACE_S
+            else:  # a node the transport sees is only slow: give it longer before fencing it for good
+                node_up = state.ref is None or state.ref.is_alive
+                dead = silent > self.runner.liveness_s * (SLOW_FACTOR if node_up else 1)
+            if dead:
+                self._declare_dead(name, f"silent for {silent:.1f} s")
 
     def _declare_dead(self, name: str, why: str) -> None:
         state = self.replicas[name]
@@ -222,11 +233,15 @@ class DataParallelJob:
     # -- ending -----------------------------------------------------------------------
     async def stop(self, reason: str) -> None:
         for state in self.replicas.values():
-            if state.status == "alive" and state.ref is not None:
-                try:
-                    state.ref.tell_nowait(StopTraining(reason))
-                except ActorError:
-                    pass
+            if state.status == "alive":
+                await self.stop_one(state, reason)
+
+    async def stop_one(self, state: _Replica, reason: str) -> None:
+        if state.ref is not None:
+            try:
+                state.ref.tell_nowait(StopTraining(reason))
+            except ActorError:
+                pass
 
     async def record(self, report: RunReport) -> None:
         report.set_metric("dense_bytes_pushed", sum(r.dense_bytes_pushed for r in self.replicas.values()))

@@ -128,6 +128,7 @@ class _Downpour:
     settings = DownpourConfig
     shards_key = "downpour.n_replicas"
     worker_kind = "replica"
+    member_kind = "replica"
 
     def data_shards(self, settings: DownpourConfig) -> int:
         return settings.n_replicas

@@ -62,6 +62,7 @@ class _Hogwild:
     settings = HogwildConfig
     shards_key = "hogwild.n_workers"
     worker_kind = "worker"
+    member_kind = "replica"
 
     def data_shards(self, settings: HogwildConfig) -> int:
         return settings.n_workers

@@ -105,6 +105,7 @@ class _Pipeline:
     settings = PipelineConfig
     shards_key = "pipeline.replicas"
     worker_kind = "layer-group worker"
+    member_kind = "layer group"
 
     def data_shards(self, settings: PipelineConfig) -> int:
         return settings.replicas

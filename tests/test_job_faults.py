@@ -1,0 +1,141 @@
+"""The job runner's state survives what fails around it: real processes, real signals, real sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dniasync.cluster.job import PS_LOST_AFTER_S
+
+JOB = """
+[job]
+name = "{name}"
+mode = "downpour"
+seed = 5
+output_dir = "{out}"
+
+[model]
+factory = "dniasync.train.models:mlp"
+kwargs = {{ sizes = [64, 32, 10] }}
+
+[data]
+dataset = "digits"
+n_train = 1400
+n_test = 397
+batch_size = 32
+
+[optimizer]
+name = "adagrad"
+lr = 0.05
+
+[downpour]
+n_replicas = 2
+n_ps_shards = 2
+
+[stop]
+max_epochs = 100000
+max_seconds = {seconds}
+
+[eval]
+every_seconds = 0.5
+"""
+
+
+def start(tmp_path: Path, name: str, seconds: float) -> tuple[subprocess.Popen[str], Path]:
+    out = tmp_path / name
+    config = tmp_path / f"{name}.toml"
+    config.write_text(JOB.format(name=name, out=out, seconds=seconds))
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    return launcher, out
+
+
+def wait_training(out: Path, timeout: float = 120) -> list[dict[str, Any]]:
+    """The launcher's children once the coordinator has evaluated weights that saw training."""
+    deadline = time.monotonic() + timeout
+    log = out / "logs" / "coordinator0.log"
+    while time.monotonic() < deadline:
+        if log.exists() and any("eval:" in line and " 0 samples" not in line for line in log.read_text().splitlines()):
+            return list(json.loads((out / "cluster.json").read_text())["children"])
+        time.sleep(0.2)
+    raise AssertionError("the job never trained")
+
+
+def summary(out: Path) -> dict[str, Any]:
+    return json.loads((out / "summary.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_a_ps_shard_frozen_for_10_s_does_not_stop_the_job_or_its_stop_rules(tmp_path: Path) -> None:
+    launcher, out = start(tmp_path, "freeze", seconds=30)
+    try:
+        ps = [c for c in wait_training(out) if c["role"] == "ps"][0]
+        os.kill(ps["pid"], signal.SIGSTOP)
+        time.sleep(10)
+        os.kill(ps["pid"], signal.SIGCONT)
+        stdout, stderr = launcher.communicate(timeout=180)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, stdout + stderr
+    doc = summary(out)
+    assert doc["stop_reason"] == "ran 30 s"  # the time limit held while the shard was frozen
+    kinds = [e["kind"] for e in doc["events"]]
+    assert "ps_down" in kinds and "ps_up" in kinds and "ps_lost" not in kinds
+    assert "replica_failed" not in kinds  # replicas waiting on the frozen shard still report: they are alive
+    down = next(e for e in doc["events"] if e["kind"] == "ps_down")
+    assert doc["history"][-1]["samples"] > max(p["samples"] for p in doc["history"] if p["wall_s"] <= down["wall_s"])
+
+
+def test_a_killed_ps_shard_ends_the_job_naming_it_and_leaves_a_summary(tmp_path: Path) -> None:
+    launcher, out = start(tmp_path, "kill", seconds=300)
+    try:
+        children = wait_training(out)
+        ps = [c for c in children if c["role"] == "ps"][1]
+        os.kill(ps["pid"], signal.SIGKILL)
+        stdout, stderr = launcher.communicate(timeout=180)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 1, stdout + stderr
+    doc = summary(out)
+    assert doc["stop_reason"].startswith("failed: PS shard 1 at ps-1@127.0.0.1:"), doc["stop_reason"]
+    lost = [e for e in doc["events"] if e["kind"] == "ps_lost"]
+    assert len(lost) == 1 and lost[0]["shard"] == 1
+    down = next(e for e in doc["events"] if e["kind"] == "ps_down" and e["shard"] == 1)
+    assert lost[0]["wall_s"] - down["wall_s"] >= PS_LOST_AFTER_S  # held on for a freeze's worth first
+    assert doc["wall_s"] < 300  # it ended on the failure, not on the time limit
+    assert "PS shard 1" in stdout
+    for child in children:
+        if child["role"] == "worker":  # failed pulls back off, and their warnings collapse into few lines
+            warnings = [line for line in Path(child["log"]).read_text().splitlines() if "shard 1 failed" in line]
+            assert 1 <= len(warnings) <= 10, warnings
+
+
+def test_a_killed_launcher_leaves_no_process_behind(tmp_path: Path) -> None:
+    launcher, out = start(tmp_path, "orphans", seconds=300)
+    try:
+        children = wait_training(out)
+    finally:
+        launcher.kill()
+        launcher.communicate()
+    pids = [c["pid"] for c in children]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+        time.sleep(0.2)
+    assert not [pid for pid in pids if _running(pid)]
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
