@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_embed_actors_example_runs_restarts_and_exits_cleanly() -> None:
-    started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "embed_actors.py")],
         capture_output=True, text=True, timeout=30,
     )
-    elapsed = time.monotonic() - started
     assert proc.returncode == 0, proc.stderr
     assert "squarer restarts: 2" in proc.stdout
     assert "sink received 18 squares" in proc.stdout
     assert proc.stdout.count("[squarer] crashed") == 2
-    assert elapsed < 5, f"example took {elapsed:.1f} s"
