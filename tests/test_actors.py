@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -593,3 +594,35 @@ async def test_a_handler_stuck_on_a_full_mailbox_does_not_hang_shutdown() -> Non
     release.set()
     with pytest.raises(ActorStopped):
         await blocked
+
+
+class Delayed(Actor):
+    """Sends itself an Append later, through ``send_later``."""
+
+    def __init__(self, arrived: asyncio.Event, values: list[int]) -> None:
+        self.arrived = arrived
+        self.values = values
+
+    @handler
+    def append(self, msg: Append) -> None:
+        if msg.value < 0:
+            self.send_later(0.01, Append(-msg.value))
+            return
+        self.values.append(msg.value)
+        self.arrived.set()
+
+
+async def test_send_later_delivers_to_the_actor_itself_and_is_dropped_once_it_stopped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    values: list[int] = []
+    async with ActorSystem() as system:
+        arrived = asyncio.Event()
+        ref = await system.spawn(Delayed, arrived, values, name="delayed")
+        await ref.tell(Append(-7))
+        await asyncio.wait_for(arrived.wait(), 10)
+        await ref.ask(Append(-8))  # schedules 8 ...
+        await system.stop(ref)  # ... which falls on a stopped actor
+        await asyncio.sleep(0.1)
+    assert values == [7]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..actors import Actor, ActorError, ActorNotFound, ActorRef, handler, message
 from .protocol import Assignment, JoinJob, NoJob, Ready
 
-__all__ = ["Host", "backoff_delays"]
+__all__ = ["Host", "next_delay"]
 
 log = logging.getLogger("dniasync.cluster.hosts")
 
@@ -28,7 +28,7 @@ class _Attempt:
     pass
 
 
-def backoff_delays(first: float, cap: float) -> float:
+def next_delay(first: float, cap: float) -> float:
     """The next delay after ``first`` seconds: doubled, capped, with up to 20% jitter."""
     return min(cap, first * 2) * random.uniform(0.8, 1.0)
 
@@ -52,7 +52,7 @@ class Host(Actor):
 
     def _retry(self) -> None:
         self.send_later(self._delay, _Attempt())
-        self._delay = backoff_delays(self._delay, self.max_retry_s)
+        self._delay = next_delay(self._delay, self.max_retry_s)
 
     @handler
     async def attempt(self, msg: _Attempt) -> None:
