@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 
-from dniasync._core import NonFiniteGradientError, ParamStore
+from dniasync._core import (
+    Int8Codec as Int8Core,
+    NonFiniteGradientError,
+    OneBitCodec as OneBitCore,
+    ParamStore,
+    ThresholdCodec as ThresholdCore,
+    kernel_isa,
+    kernel_isas,
+    set_kernel_isa,
+)
 from dniasync.train.compression import (
     Codec,
     CodecName,
@@ -139,3 +150,46 @@ def test_corrupt_payloads_are_refused() -> None:
         onebit.extract(CompressedTensor("onebit", (100,), np.zeros(3, np.uint8)))
     with pytest.raises(ValueError, match="unknown codec"):
         make_codec("zstd", 10)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def uncapped_kernels() -> Iterator[None]:
+    yield
+    set_kernel_isa(None)
+
+
+def every_kernel_output(n: int) -> list[bytes]:
+    """Bytes out of every optimizer step and codec, on data with rounding ties and zeros."""
+    rng = np.random.default_rng(7)
+    grad = rng.standard_normal(n).astype(np.float32)
+    grad[::11] = np.round(grad[::11] * 4) / 2  # exact halves: ties for the 8-bit rounding
+    grad[::13] = 0.0
+    init = np.cos(np.arange(n, dtype=np.float32))
+    out: list[bytes] = []
+    for name in ("sgd", "momentum", "nesterov", "adagrad", "adam"):
+        store = ParamStore([("w", n)], name, weight_decay=0.01, clip_norm=50.0)
+        store.write("w", init)
+        for _ in range(3):
+            store.step("w", grad, 0.05)
+        store.add("w", grad, -0.3)
+        out += [store.view("w", state=k).tobytes() for k in range(store.state_slots + 1)]
+    threshold, onebit, int8 = ThresholdCore(n, 0.9), OneBitCore(n, 24), Int8Core(n, 40)
+    for _ in range(2):
+        out += [threshold.encode(grad).tobytes(), onebit.encode(grad).tobytes()]
+    out += [threshold.residual().tobytes(), onebit.error().tobytes(), int8.encode(grad).tobytes()]
+    return out
+
+
+def test_every_kernel_isa_gives_identical_bytes(uncapped_kernels: None) -> None:
+    isas = kernel_isas()
+    assert isas[0] == "base" and kernel_isa() == isas[-1]
+    results = {}
+    for isa in isas:
+        set_kernel_isa(isa)
+        assert kernel_isa() == isa
+        results[isa] = every_kernel_output(4099)  # not a multiple of any register width
+    for isa in isas[1:]:
+        for k, (got, want) in enumerate(zip(results[isa], results["base"], strict=True)):
+            assert got == want, f"{isa} differs from the portable kernels in output {k}"
+    with pytest.raises(ValueError, match="not available"):
+        set_kernel_isa("avx1024")  # type: ignore[arg-type]

@@ -19,7 +19,9 @@ pub mod store;
 pub use error::{CoreError, Result};
 pub use grad::{Dense, GradSource};
 pub use layout::{Layout, Optimizer, OptimizerConfig, SegmentSpec};
-pub use simd::{all_finite, available_isas, detected_isa, isa, with_isa, Isa, CHUNK};
+pub use simd::{
+    all_finite, available_isas, detected_isa, isa, set_process_isa, with_isa, Isa, CHUNK,
+};
 pub use store::{NonFinitePolicy, ParamStore, Segment};
 
 /// Crate version, reported by the Python extension as `dniasync._core.__version__`.

@@ -6,7 +6,7 @@ use dniasync_core::quant::onebit::{self, OneBitCodec};
 use dniasync_core::quant::threshold::{self, ThresholdCodec};
 use dniasync_core::quant::Codec;
 use dniasync_core::{
-    available_isas, with_isa, CoreError, Dense, Layout, NonFinitePolicy, Optimizer,
+    available_isas, with_isa, CoreError, Dense, Isa, Layout, NonFinitePolicy, Optimizer,
     OptimizerConfig, ParamStore, SegmentSpec,
 };
 use proptest::prelude::*;
@@ -311,50 +311,118 @@ fn codecs_carry_what_was_not_sent() {
     assert_eq!((nothing.len(), touched), (0, 100));
 }
 
-#[test]
-fn kernel_variants_agree_bit_for_bit() {
-    let n = 5000;
-    let g: Vec<f32> = (0..n)
-        .map(|i| ((i * 7919) % 1000) as f32 / 250.0 - 2.0)
+/// Everything the kernels produce from one input, as bits (so NaN compares equal to NaN).
+fn kernel_outputs(
+    cfg: OptimizerConfig,
+    init: &[f32],
+    g: &[f32],
+    tau: f32,
+    onebit_block: usize,
+    int8_block: usize,
+) -> Vec<Vec<u32>> {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let bytes = |v: &[u8]| v.iter().map(|&x| u32::from(x)).collect::<Vec<u32>>();
+    let n = g.len();
+    let s = store(&[n], cfg);
+    s.write(0, 0, init).unwrap();
+    for _ in 0..3 {
+        s.step_dense(0, g, 0.05).unwrap();
+    }
+    s.add(0, &mut Dense(g), -0.3).unwrap();
+    let mut out: Vec<Vec<u32>> = (0..=cfg.optimizer.state_slots())
+        .map(|slot| bits(&read(&s, 0, slot)))
         .collect();
-    let init: Vec<f32> = (0..n).map(|i| (i as f32 * 0.01).cos()).collect();
-    let configs = [
-        OptimizerConfig::new(Optimizer::Sgd),
-        OptimizerConfig::new(Optimizer::Momentum { momentum: 0.8 }),
-        OptimizerConfig::new(Optimizer::Nesterov { momentum: 0.9 }),
-        OptimizerConfig::new(Optimizer::Adagrad { eps: 1e-10 }),
-        OptimizerConfig {
-            optimizer: Optimizer::Adam {
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-            },
-            weight_decay: 0.01,
-            clip_norm: Some(10.0),
-        },
+    let mut enc = threshold::ThresholdEncoder::new(n, tau).unwrap();
+    let mut codes = Vec::new();
+    for _ in 0..2 {
+        enc.encode(g, &mut codes).unwrap();
+        out.push(codes.clone());
+    }
+    out.push(bits(enc.residual()));
+    let mut enc = onebit::OneBitEncoder::new(n, onebit_block).unwrap();
+    let mut payload = Vec::new();
+    for _ in 0..2 {
+        enc.encode(g, &mut payload).unwrap();
+        out.push(bytes(&payload));
+    }
+    out.push(bits(enc.error()));
+    int8::encode(g, int8_block, &mut payload).unwrap();
+    out.push(bytes(&payload));
+    out
+}
+
+/// Gradients with what trips kernels up: exact halves (rounding ties for the 8-bit codec),
+/// zeros of both signs, values right at a threshold, and a wide range of magnitudes.
+fn awkward_vec(n: std::ops::Range<usize>) -> impl Strategy<Value = Vec<f32>> {
+    let elem = prop_oneof![
+        4 => -4.0f32..4.0,
+        1 => (-254i32..254).prop_map(|k| k as f32 * 0.5),
+        1 => prop_oneof![Just(0.0f32), Just(-0.0), Just(0.7), Just(-0.7)],
+        1 => (-30i32..30, -1.0f32..1.0).prop_map(|(e, m)| m * 2f32.powi(e)),
     ];
-    for cfg in configs {
-        let run = |isa| {
-            with_isa(isa, || {
-                let s = store(&[n], cfg);
-                s.write(0, 0, &init).unwrap();
-                for _ in 0..3 {
-                    s.step_dense(0, &g, 0.05).unwrap();
-                }
-                let mut enc = threshold::ThresholdEncoder::new(n, 0.7).unwrap();
-                let mut codes = Vec::new();
-                enc.encode(&g, &mut codes).unwrap();
-                enc.encode(&g, &mut codes).unwrap();
-                (read(&s, 0, 0), codes, enc.residual().to_vec())
-            })
-        };
-        let base = run(dniasync_core::Isa::Base);
+    prop::collection::vec(elem, n)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Every instruction set's kernels (portable, AVX2, AVX-512: whichever this CPU has)
+    /// give the same bits for every optimizer step and codec, tails and odd blocks included.
+    #[test]
+    fn every_isa_gives_identical_bits(
+        cfg in optimizers(),
+        g in awkward_vec(1..2200),
+        onebit_block in prop_oneof![Just(8usize), Just(16), Just(24), Just(64), Just(320)],
+        int8_block in prop_oneof![1usize..40, Just(256)],
+        tau in prop_oneof![Just(0.7f32), 0.05f32..3.0],
+    ) {
+        let init: Vec<f32> = (0..g.len()).map(|i| (i as f32 * 0.01).cos()).collect();
+        let run = |isa| with_isa(isa, || kernel_outputs(cfg, &init, &g, tau, onebit_block, int8_block));
+        let base = run(Isa::Base);
         for isa in available_isas() {
-            assert!(
-                run(isa) == base,
-                "{isa:?} differs from the portable kernel for {cfg:?}"
-            );
+            let got = run(isa);
+            for (k, (x, y)) in got.iter().zip(&base).enumerate() {
+                prop_assert!(x == y, "{:?} differs from the portable kernels in output {} for {:?}", isa, k, cfg);
+            }
         }
+    }
+
+    /// The 8-bit codec rounds half away from zero, as `f32::round`, at every ISA.
+    #[test]
+    fn int8_rounds_like_the_reference(g in awkward_vec(1..1000), block in 1usize..300) {
+        for isa in available_isas() {
+            let mut payload = Vec::new();
+            with_isa(isa, || int8::encode(&g, block, &mut payload)).unwrap();
+            let codes = &payload[payload.len() - g.len()..];
+            for (b, gc) in g.chunks(block).enumerate() {
+                let m = gc.iter().fold(0f32, |m, x| m.max(x.abs()));
+                let inv = if m > 0.0 { 127.0 / m } else { 0.0 };
+                for (j, &v) in gc.iter().enumerate() {
+                    let want = ((v * inv).round().clamp(-127.0, 127.0) as i8) as u8;
+                    prop_assert_eq!(codes[b * block + j], want, "{:?} block {} element {}", isa, b, j);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn int8_rejects_nonfinite_and_keeps_tiny_blocks() {
+    for isa in available_isas() {
+        with_isa(isa, || {
+            let mut payload = vec![1u8; 3];
+            let mut g = vec![0.5f32; 1000];
+            g[777] = f32::INFINITY;
+            assert!(matches!(
+                int8::encode(&g, 64, &mut payload),
+                Err(CoreError::NonFinite { .. })
+            ));
+            assert!(payload.is_empty());
+            // 127 / max overflows for subnormal blocks: they still quantize to ±127.
+            let tiny = vec![1e-45f32, -1e-45, 0.0];
+            int8::encode(&tiny, 3, &mut payload).unwrap();
+            assert_eq!(&payload[4..], &[127, (-127i8) as u8, 0], "{isa:?}");
+        });
     }
 }
 

@@ -1,5 +1,7 @@
 //! `dniasync._core`: thin PyO3 bindings over `dniasync-core`. Each exported type lives
 //! in its own file; every call touching more than a few KB releases the GIL (`errors::run`).
+use dniasync_core::Isa;
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 mod arrays;
@@ -10,14 +12,39 @@ mod onebit;
 mod store;
 mod threshold;
 
-/// Instruction set the kernels run with on this machine: "avx512", "avx2" or "base".
+/// Instruction set the kernels run with now: "avx512", "avx2" or "base".
 #[pyfunction]
 fn kernel_isa() -> &'static str {
-    match dniasync_core::detected_isa() {
-        dniasync_core::Isa::Avx512 => "avx512",
-        dniasync_core::Isa::Avx2 => "avx2",
-        dniasync_core::Isa::Base => "base",
-    }
+    dniasync_core::isa().name()
+}
+
+/// Every instruction set the kernels can run with here, narrowest first.
+#[pyfunction]
+fn kernel_isas() -> Vec<&'static str> {
+    dniasync_core::available_isas()
+        .into_iter()
+        .map(Isa::name)
+        .collect()
+}
+
+/// Caps the kernels of this process at `isa` (None lifts the cap).
+#[pyfunction]
+#[pyo3(signature = (isa))]
+fn set_kernel_isa(isa: Option<&str>) -> PyResult<()> {
+    let cap = match isa {
+        None => None,
+        Some(name) => match Isa::from_name(name) {
+            Some(cap) if cap <= dniasync_core::detected_isa() => Some(cap),
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "kernel ISA {name:?} is not available here (available: {})",
+                    kernel_isas().join(", ")
+                )))
+            }
+        },
+    };
+    dniasync_core::set_process_isa(cap);
+    Ok(())
 }
 
 #[pymodule]
@@ -25,6 +52,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", dniasync_core::VERSION)?;
     m.add_function(wrap_pyfunction!(kernel_isa, m)?)?;
+    m.add_function(wrap_pyfunction!(kernel_isas, m)?)?;
+    m.add_function(wrap_pyfunction!(set_kernel_isa, m)?)?;
     m.add_class::<store::ParamStore>()?;
     m.add_class::<threshold::ThresholdCodec>()?;
     m.add_class::<onebit::OneBitCodec>()?;

@@ -1,8 +1,14 @@
-//! Optimizer kernels: one pass over a segment, chunk by chunk, parameters and state
-//! staged through L1 so the arithmetic vectorises (see `simd`).
+//! Optimizer kernels: one pass over a segment, chunk by chunk.
+//!
+//! Each update rule is written once, over `Lanes` (`Rule`). `direct` runs it on registers
+//! moved straight from the cells and back (AVX2, AVX-512); `staged` copies a chunk of
+//! cells into L1, runs it one element at a time on plain `f32`s, which the compiler
+//! vectorises for the baseline target, and copies the chunk back (the portable path).
+//! Both do the same IEEE operations in the same order, so every ISA gives the same bits.
 use crate::grad::GradSource;
 use crate::layout::{Optimizer, OptimizerConfig};
-use crate::simd::{load_cells, multiversion, store_cells, Buf, CHUNK};
+use crate::simd::lanes::Lanes;
+use crate::simd::{by_isa, load_cells, store_cells, Buf, CHUNK};
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
 /// Everything a kernel needs for one step, precomputed once per call.
@@ -77,7 +83,6 @@ macro_rules! for_chunks {
         }
     }};
 }
-pub(crate) use for_chunks;
 
 /// The chunk a pass starts from: concurrent passes over one segment (Hogwild) start far
 /// apart instead of fighting over the same cache lines in lockstep.
@@ -87,169 +92,255 @@ pub fn first_chunk(ticket: u64, len: usize) -> usize {
     ((ticket as f64 * 0.618_033_988_749_895).fract() * chunks as f64) as usize % chunks
 }
 
-#[cfg(target_arch = "x86_64")]
-mod avx512;
+/// Hyper-parameters broadcast into lanes.
+#[derive(Clone, Copy)]
+pub(crate) struct Consts<V> {
+    lr: V,
+    gs: V,
+    wd: V,
+    mu: V,
+    eps: V,
+    a1: V,
+    a2: V,
+    b2: V,
+    step: V,
+    bc2: V,
+}
 
-/// Picks the AVX-512 kernel that keeps cells in registers when the CPU has it, else the
-/// staged kernel compiled for the best instruction set available.
-macro_rules! dispatch {
-    ($(#[$m:meta])* $name:ident, $staged:ident, ($($arg:ident : $ty:ty),*)) => {
-        $(#[$m])*
-        pub fn $name($($arg: $ty),*) {
-            #[cfg(target_arch = "x86_64")]
-            if crate::simd::isa() == crate::simd::Isa::Avx512 {
-                // SAFETY: the CPU has AVX-512F.
-                return unsafe { avx512::$name($($arg),*) };
-            }
-            $staged($($arg),*)
+impl<V: Lanes> Consts<V> {
+    #[inline(always)]
+    unsafe fn new(h: &Hyper) -> Self {
+        Consts {
+            lr: V::splat(h.lr),
+            gs: V::splat(h.gscale),
+            wd: V::splat(h.weight_decay),
+            mu: V::splat(h.momentum),
+            eps: V::splat(h.eps),
+            a1: V::splat(1.0 - h.beta1),
+            a2: V::splat(1.0 - h.beta2),
+            b2: V::splat(h.beta2),
+            step: V::splat(h.step_size),
+            bc2: V::splat(h.bc2_sqrt),
         }
-    };
+    }
+
+    /// The gradient after clipping scale and weight decay: `g * gscale + weight_decay * w`.
+    #[inline(always)]
+    unsafe fn eff(&self, g: V, w: V) -> V {
+        g.mul(self.gs).add(self.wd.mul(w))
+    }
 }
 
-dispatch!(
-    /// `w -= lr * g`
-    sgd, sgd_staged, (w: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper)
-);
-dispatch!(
-    /// `v = m v + g; w -= lr v`
-    momentum, momentum_staged, (w: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper)
-);
-dispatch!(
-    /// `v = m v + g; w -= lr (g + m v)`
-    nesterov, nesterov_staged, (w: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper)
-);
-dispatch!(
-    /// `s += g²; w -= lr g / (√s + eps)`
-    adagrad, adagrad_staged, (w: &[AtomicU32], acc: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper)
-);
-dispatch!(
-    /// Adam, as `adam_staged`.
-    adam, adam_staged, (w: &[AtomicU32], m: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper)
-);
+/// An update rule with `S` state slots: new parameter and state from old ones and the
+/// gradient, in lanes of any width.
+pub(crate) trait Rule<const S: usize> {
+    unsafe fn apply<V: Lanes>(c: &Consts<V>, w: V, state: [V; S], g: V) -> (V, [V; S]);
+}
 
-/// The gradient after clipping scale and weight decay.
+/// `w -= lr * g`
+pub(crate) struct Sgd;
+/// `v = m v + g; w -= lr v`
+pub(crate) struct Momentum;
+/// `v = m v + g; w -= lr (g + m v)`
+pub(crate) struct Nesterov;
+/// `s += g²; w -= lr g / (√s + eps)`
+pub(crate) struct Adagrad;
+/// Adam with torch's arithmetic: `m = lerp(m, g, 1-b1); v = b2 v + (1-b2) g²;
+/// w -= step_size m / (√v / √bc2 + eps)`
+pub(crate) struct Adam;
+/// `w += alpha * d`, alpha given as the learning rate (no clipping, no weight decay).
+pub(crate) struct Axpy;
+
+impl Rule<0> for Sgd {
+    #[inline(always)]
+    unsafe fn apply<V: Lanes>(c: &Consts<V>, w: V, _: [V; 0], g: V) -> (V, [V; 0]) {
+        (w.sub(c.lr.mul(c.eff(g, w))), [])
+    }
+}
+
+impl Rule<1> for Momentum {
+    #[inline(always)]
+    unsafe fn apply<V: Lanes>(c: &Consts<V>, w: V, [v]: [V; 1], g: V) -> (V, [V; 1]) {
+        let v = c.mu.mul(v).add(c.eff(g, w));
+        (w.sub(c.lr.mul(v)), [v])
+    }
+}
+
+impl Rule<1> for Nesterov {
+    #[inline(always)]
+    unsafe fn apply<V: Lanes>(c: &Consts<V>, w: V, [v]: [V; 1], g: V) -> (V, [V; 1]) {
+        let d = c.eff(g, w);
+        let v = c.mu.mul(v).add(d);
+        (w.sub(c.lr.mul(d.add(c.mu.mul(v)))), [v])
+    }
+}
+
+impl Rule<1> for Adagrad {
+    #[inline(always)]
+    unsafe fn apply<V: Lanes>(c: &Consts<V>, w: V, [s]: [V; 1], g: V) -> (V, [V; 1]) {
+        let d = c.eff(g, w);
+        let s = s.add(d.mul(d));
+        (w.sub(c.lr.mul(d).div(s.sqrt().add(c.eps))), [s])
+    }
+}
+
+impl Rule<2> for Adam {
+    #[inline(always)]
+    unsafe fn apply<V: Lanes>(c: &Consts<V>, w: V, [m, v]: [V; 2], g: V) -> (V, [V; 2]) {
+        let d = c.eff(g, w);
+        let m = m.add(c.a1.mul(d.sub(m)));
+        let v = c.b2.mul(v).add(c.a2.mul(d).mul(d));
+        let den = v.sqrt().div(c.bc2).add(c.eps);
+        (w.sub(c.step.mul(m).div(den)), [m, v])
+    }
+}
+
+impl Rule<0> for Axpy {
+    #[inline(always)]
+    unsafe fn apply<V: Lanes>(c: &Consts<V>, w: V, _: [V; 0], d: V) -> (V, [V; 0]) {
+        (w.add(c.lr.mul(d)), [])
+    }
+}
+
+/// One rule application on the `V::N` elements at `w`, `state` and `g` (cells read and
+/// written in place; state first, then the parameter).
 #[inline(always)]
-pub(crate) fn eff(g: f32, w: f32, h: &Hyper) -> f32 {
-    g * h.gscale + h.weight_decay * w
+unsafe fn apply_at<V: Lanes, R: Rule<S>, const S: usize>(
+    c: &Consts<V>,
+    w: *const AtomicU32,
+    state: [*const AtomicU32; S],
+    g: *const f32,
+) {
+    let mut old = [V::splat(0.0); S];
+    for (o, &p) in old.iter_mut().zip(&state) {
+        *o = V::load_cells(p);
+    }
+    let (w2, new) = R::apply(c, V::load_cells(w), old, V::load(g));
+    for (n, &p) in new.iter().zip(&state) {
+        n.store_cells(p);
+    }
+    w2.store_cells(w);
 }
 
-multiversion! {
+/// Runs rule `R` over the segment with registers of `V` moved straight from the cells;
+/// what is left of each chunk after the last full register goes one element at a time.
+#[inline(always)]
+unsafe fn direct<V: Lanes, R: Rule<S>, const S: usize>(
+    w: &[AtomicU32],
+    state: [&[AtomicU32]; S],
+    src: &mut dyn GradSource,
+    h: &Hyper,
+) {
+    assert!(state.iter().all(|st| st.len() == w.len()));
+    let (c, c1) = (Consts::<V>::new(h), Consts::<f32>::new(h));
+    // The cells of `w` and of each state slot at element `i`.
+    let at = |i: usize| (w[i..].as_ptr(), state.map(|st| st[i..].as_ptr()));
+    for_chunks!(w.len(), src, h.first_chunk, |s, n, g| {
+        let wide = n - n % V::N;
+        let mut i = 0;
+        while i < wide {
+            // SAFETY: `s + i + V::N <= s + n <= w.len()`, and `g` holds `n` elements.
+            let (wp, sp) = at(s + i);
+            apply_at::<V, R, S>(&c, wp, sp, g.as_ptr().add(i));
+            i += V::N;
+        }
+        while i < n {
+            let (wp, sp) = at(s + i);
+            apply_at::<f32, R, S>(&c1, wp, sp, g.as_ptr().add(i));
+            i += 1;
+        }
+    });
+}
+
+/// Runs rule `R` over the segment on chunks staged through L1 (the portable path).
+fn staged<R: Rule<S>, const S: usize>(
+    w: &[AtomicU32],
+    state: [&[AtomicU32]; S],
+    src: &mut dyn GradSource,
+    h: &Hyper,
+) {
+    // SAFETY: f32 lanes need no CPU feature.
+    let c = unsafe { Consts::<f32>::new(h) };
+    let mut wb = Buf::new();
+    let mut sb: [Buf; S] = std::array::from_fn(|_| Buf::new());
+    for_chunks!(w.len(), src, h.first_chunk, |s, n, g| {
+        load_cells(&w[s..s + n], &mut wb.0[..n]);
+        for (st, b) in state.iter().zip(&mut sb) {
+            load_cells(&st[s..s + n], &mut b.0[..n]);
+        }
+        for (i, &gi) in g.iter().enumerate() {
+            let old = std::array::from_fn(|k| sb[k].0[i]);
+            // SAFETY: as above.
+            let (w2, new) = unsafe { R::apply(&c, wb.0[i], old, gi) };
+            for (b, x) in sb.iter_mut().zip(new) {
+                b.0[i] = x;
+            }
+            wb.0[i] = w2;
+        }
+        for (st, b) in state.iter().zip(&sb) {
+            store_cells(&st[s..s + n], &b.0[..n]);
+        }
+        store_cells(&w[s..s + n], &wb.0[..n]);
+    });
+}
+
+by_isa! {
     /// `w -= lr * g`
-    pub fn sgd_staged(w: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
-        let mut wb = Buf::new();
-        for_chunks!(w.len(), src, h.first_chunk, |s, n, g| {
-            let (wc, wl) = (&w[s..s + n], &mut wb.0[..n]);
-            load_cells(wc, wl);
-            for (w, &g) in wl.iter_mut().zip(g) {
-                *w -= h.lr * eff(g, *w, h);
-            }
-            store_cells(wc, wl);
-        });
+    pub fn sgd(w: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
+        lanes L => direct::<L, Sgd, 0>(w, [], src, h),
+        base => staged::<Sgd, 0>(w, [], src, h),
     }
 }
 
-multiversion! {
+by_isa! {
     /// `v = m v + g; w -= lr v`
-    pub fn momentum_staged(w: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
-        let (mut wb, mut vb) = (Buf::new(), Buf::new());
-        for_chunks!(w.len(), src, h.first_chunk, |s, n, g| {
-            let (wc, vc) = (&w[s..s + n], &v[s..s + n]);
-            let (wl, vl) = (&mut wb.0[..n], &mut vb.0[..n]);
-            load_cells(wc, wl);
-            load_cells(vc, vl);
-            for ((w, v), &g) in wl.iter_mut().zip(vl.iter_mut()).zip(g) {
-                *v = h.momentum * *v + eff(g, *w, h);
-                *w -= h.lr * *v;
-            }
-            store_cells(vc, vl);
-            store_cells(wc, wl);
-        });
+    pub fn momentum(w: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
+        lanes L => direct::<L, Momentum, 1>(w, [v], src, h),
+        base => staged::<Momentum, 1>(w, [v], src, h),
     }
 }
 
-multiversion! {
+by_isa! {
     /// `v = m v + g; w -= lr (g + m v)`
-    pub fn nesterov_staged(w: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
-        let (mut wb, mut vb) = (Buf::new(), Buf::new());
-        for_chunks!(w.len(), src, h.first_chunk, |s, n, g| {
-            let (wc, vc) = (&w[s..s + n], &v[s..s + n]);
-            let (wl, vl) = (&mut wb.0[..n], &mut vb.0[..n]);
-            load_cells(wc, wl);
-            load_cells(vc, vl);
-            for ((w, v), &g) in wl.iter_mut().zip(vl.iter_mut()).zip(g) {
-                let d = eff(g, *w, h);
-                *v = h.momentum * *v + d;
-                *w -= h.lr * (d + h.momentum * *v);
-            }
-            store_cells(vc, vl);
-            store_cells(wc, wl);
-        });
+    pub fn nesterov(w: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
+        lanes L => direct::<L, Nesterov, 1>(w, [v], src, h),
+        base => staged::<Nesterov, 1>(w, [v], src, h),
     }
 }
 
-multiversion! {
+by_isa! {
     /// `s += g²; w -= lr g / (√s + eps)`
-    pub fn adagrad_staged(w: &[AtomicU32], acc: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
-        let (mut wb, mut sb) = (Buf::new(), Buf::new());
-        for_chunks!(w.len(), src, h.first_chunk, |s, n, g| {
-            let (wc, sc) = (&w[s..s + n], &acc[s..s + n]);
-            let (wl, sl) = (&mut wb.0[..n], &mut sb.0[..n]);
-            load_cells(wc, wl);
-            load_cells(sc, sl);
-            for ((w, a), &g) in wl.iter_mut().zip(sl.iter_mut()).zip(g) {
-                let d = eff(g, *w, h);
-                *a += d * d;
-                *w -= h.lr * d / (a.sqrt() + h.eps);
-            }
-            store_cells(sc, sl);
-            store_cells(wc, wl);
-        });
+    pub fn adagrad(w: &[AtomicU32], acc: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
+        lanes L => direct::<L, Adagrad, 1>(w, [acc], src, h),
+        base => staged::<Adagrad, 1>(w, [acc], src, h),
     }
 }
 
-multiversion! {
-    /// Adam with torch's arithmetic: `m = lerp(m, g, 1-b1); v = b2 v + (1-b2) g²;
-    /// w -= step_size m / (√v / √bc2 + eps)`
-    pub fn adam_staged(
+by_isa! {
+    /// Adam, as `Adam`.
+    pub fn adam(
         w: &[AtomicU32],
         m: &[AtomicU32],
         v: &[AtomicU32],
         src: &mut dyn GradSource,
         h: &Hyper,
     ) {
-        let (mut wb, mut mb, mut vb) = (Buf::new(), Buf::new(), Buf::new());
-        let (a1, a2) = (1.0 - h.beta1, 1.0 - h.beta2);
-        for_chunks!(w.len(), src, h.first_chunk, |s, n, g| {
-            let (wc, mc, vc) = (&w[s..s + n], &m[s..s + n], &v[s..s + n]);
-            let (wl, ml, vl) = (&mut wb.0[..n], &mut mb.0[..n], &mut vb.0[..n]);
-            load_cells(wc, wl);
-            load_cells(mc, ml);
-            load_cells(vc, vl);
-            for (((w, m), v), &g) in wl.iter_mut().zip(ml.iter_mut()).zip(vl.iter_mut()).zip(g) {
-                let d = eff(g, *w, h);
-                *m += a1 * (d - *m);
-                *v = h.beta2 * *v + a2 * d * d;
-                *w -= h.step_size * *m / (v.sqrt() / h.bc2_sqrt + h.eps);
-            }
-            store_cells(mc, ml);
-            store_cells(vc, vl);
-            store_cells(wc, wl);
-        });
+        lanes L => direct::<L, Adam, 2>(w, [m, v], src, h),
+        base => staged::<Adam, 2>(w, [m, v], src, h),
     }
 }
 
-multiversion! {
-    /// `w += alpha * d`
-    pub fn axpy(w: &[AtomicU32], src: &mut dyn GradSource, alpha: f32, first: usize) {
-        let mut wb = Buf::new();
-        for_chunks!(w.len(), src, first, |s, n, d| {
-            let (wc, wl) = (&w[s..s + n], &mut wb.0[..n]);
-            load_cells(wc, wl);
-            for (w, &d) in wl.iter_mut().zip(d) {
-                *w += alpha * d;
-            }
-            store_cells(wc, wl);
-        });
+/// `w += alpha * d`
+pub fn axpy(w: &[AtomicU32], src: &mut dyn GradSource, alpha: f32, first: usize) {
+    let mut h = Hyper::new(&OptimizerConfig::new(Optimizer::Sgd), alpha, 1.0, 0);
+    h.first_chunk = first;
+    axpy_kernel(w, src, &h);
+}
+
+by_isa! {
+    fn axpy_kernel(w: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
+        lanes L => direct::<L, Axpy, 0>(w, [], src, h),
+        base => staged::<Axpy, 0>(w, [], src, h),
     }
 }
 

@@ -6,7 +6,9 @@
 use crate::error::{check_len, invalid, CoreError, Result};
 use crate::grad::GradSource;
 use crate::quant::{read_f32s, Codec};
-use crate::simd::{self, multiversion};
+use crate::simd::by_isa;
+use crate::simd::lanes::{Lanes, Wide};
+use std::mem::MaybeUninit;
 
 /// Default block: 256 elements share a 4-byte scale, 3.94x overall.
 pub const DEFAULT_BLOCK: usize = 256;
@@ -80,38 +82,110 @@ impl Codec for Int8Codec {
     }
 }
 
-/// Encodes `grad` into `out` (resized). Rejects NaN/Inf.
+/// Encodes `grad` into `out` (resized). Rejects NaN/Inf (then `out` is left empty).
 pub fn encode(grad: &[f32], block: usize, out: &mut Vec<u8>) -> Result<()> {
     check_block(block)?;
-    if !simd::all_finite(grad) {
+    out.clear();
+    let total = payload_len(grad.len(), block);
+    out.reserve(total);
+    let (scales, codes) =
+        out.spare_capacity_mut()[..total].split_at_mut(grad.len().div_ceil(block) * 4);
+    // The finiteness check rides along the pass that finds each block's scale: no dense
+    // state changes here, so a gradient found bad halfway loses nothing.
+    if !encode_kernel(grad, block, scales, codes) {
         return Err(CoreError::NonFinite { what: "gradient" });
     }
-    out.clear();
-    out.resize(payload_len(grad.len(), block), 0);
-    let (scales, codes) = out.split_at_mut(grad.len().div_ceil(block) * 4);
-    encode_kernel(grad, block, scales, codes);
+    // SAFETY: the kernel wrote every one of the `total` bytes (a scale per block, a code per element).
+    unsafe { out.set_len(total) };
     Ok(())
 }
 
-multiversion! {
-    fn encode_kernel(g: &[f32], block: usize, scales: &mut [u8], codes: &mut [u8]) {
-        for (b, (gc, cc)) in g.chunks(block).zip(codes.chunks_mut(block)).enumerate() {
-            let mut lanes = [0f32; 8];
-            let exact = gc.chunks_exact(8);
-            let mut m = exact.remainder().iter().fold(0f32, |m, v| m.max(v.abs()));
-            for c in exact {
-                for (l, v) in lanes.iter_mut().zip(c) {
-                    *l = l.max(v.abs());
-                }
-            }
-            m = lanes.iter().fold(m, |a, &b| a.max(b));
-            let scale = m / 127.0;
-            let inv = if m > 0.0 { 127.0 / m } else { 0.0 };
-            scales[4 * b..4 * b + 4].copy_from_slice(&scale.to_le_bytes());
-            for (c, &v) in cc.iter_mut().zip(gc) {
-                *c = ((v * inv).round().clamp(-127.0, 127.0) as i8) as u8;
+by_isa! {
+    fn encode_kernel(g: &[f32], block: usize, scales: &mut [MaybeUninit<u8>], codes: &mut [MaybeUninit<u8>]) -> bool {
+        lanes L => encode_lanes::<L>(g, block, scales, codes),
+        // SAFETY: portable lanes need no CPU feature.
+        base => unsafe { encode_lanes::<Wide>(g, block, scales, codes) },
+    }
+}
+
+/// Writes each block's scale and codes; false (stopping there) when an element is NaN/Inf.
+#[inline(always)]
+unsafe fn encode_lanes<L: Lanes>(
+    g: &[f32],
+    block: usize,
+    scales: &mut [MaybeUninit<u8>],
+    codes: &mut [MaybeUninit<u8>],
+) -> bool {
+    assert!(scales.len() == 4 * g.len().div_ceil(block) && codes.len() == g.len());
+    for (b, (gc, cc)) in g.chunks(block).zip(codes.chunks_mut(block)).enumerate() {
+        let Some(m) = max_abs::<L>(gc) else {
+            return false;
+        };
+        let scale = m / 127.0;
+        let inv = if m > 0.0 { 127.0 / m } else { 0.0 };
+        for (d, s) in scales[4 * b..4 * b + 4].iter_mut().zip(scale.to_le_bytes()) {
+            d.write(s);
+        }
+        let out = cc.as_mut_ptr().cast::<u8>();
+        if inv.is_finite() {
+            quantize::<L>(gc, inv, out);
+        } else {
+            // A block of tiny subnormals: `g * inv` overflows, the clamp catches it.
+            for (j, &v) in gc.iter().enumerate() {
+                *out.add(j) = ((v * inv).round().clamp(-127.0, 127.0) as i8) as u8;
             }
         }
+    }
+    true
+}
+
+/// Largest `|x|` in `x`, or None when some element is NaN or Inf.
+#[inline(always)]
+unsafe fn max_abs<L: Lanes>(x: &[f32]) -> Option<f32> {
+    let wide = x.len() - x.len() % L::N;
+    let zero = L::splat(0.0);
+    // `v - v` is 0 for every finite `v` and NaN otherwise; NaN survives the sum.
+    let (mut max, mut poison) = (zero, zero);
+    let p = x.as_ptr();
+    let mut i = 0;
+    while i < wide {
+        // SAFETY: `i + L::N <= x.len()`.
+        let v = L::load(p.add(i));
+        max = max.max(v.abs());
+        poison = poison.add(v.sub(v));
+        i += L::N;
+    }
+    let (mut lanes, mut bad) = ([0f32; 16], [0f32; 16]);
+    max.spill(&mut lanes);
+    poison.spill(&mut bad);
+    let mut m = lanes[..L::N].iter().fold(0f32, |m, &v| m.max(v));
+    let mut finite = bad[..L::N].iter().all(|&b| b == 0.0);
+    for v in &x[wide..] {
+        m = m.max(v.abs());
+        finite &= v.is_finite();
+    }
+    finite.then_some(m)
+}
+
+/// `round(v * inv)` (half away from zero) as a signed byte per element, at `out`. With
+/// `|v * inv| <= 127.0001` (inv from the block's max), `trunc(y + copysign(0.5 - ulp/2, y))`
+/// is exactly that rounding, and no clamp is needed.
+#[inline(always)]
+unsafe fn quantize<L: Lanes>(g: &[f32], inv: f32, out: *mut u8) {
+    let wide = g.len() - g.len() % L::N;
+    let half = f32::from_bits(0.5f32.to_bits() - 1);
+    let (iv, hv) = (L::splat(inv), L::splat(half));
+    let p = g.as_ptr();
+    let mut i = 0;
+    while i < wide {
+        // SAFETY: `i + L::N <= g.len()`, and `out` holds `g.len()` bytes.
+        let y = L::load(p.add(i)).mul(iv);
+        y.add(hv.copysign(y)).store_i8(out.add(i));
+        i += L::N;
+    }
+    for (j, &v) in g.iter().enumerate().skip(wide) {
+        let y = v * inv;
+        (y + half.copysign(y)).store_i8(out.add(j));
     }
 }
 

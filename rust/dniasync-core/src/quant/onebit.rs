@@ -10,7 +10,8 @@
 use crate::error::{check_len, invalid, CoreError, Result};
 use crate::grad::GradSource;
 use crate::quant::{read_f32s, Codec};
-use crate::simd::{self, multiversion};
+use crate::simd::lanes::{sum16, Lanes, Wide, VIRTUAL_LANES};
+use crate::simd::{self, by_isa};
 
 /// Default block: 256 elements cost 8 bytes of reconstruction values, 25.6x overall.
 pub const DEFAULT_BLOCK: usize = 256;
@@ -134,145 +135,82 @@ impl OneBitEncoder {
         out.clear();
         out.resize(payload_len(n, self.block), 0);
         let (recon, bits) = out.split_at_mut(n.div_ceil(self.block) * 8);
-        #[cfg(target_arch = "x86_64")]
-        if simd::isa() == simd::Isa::Avx512 && self.block.is_multiple_of(16) {
-            // SAFETY: the CPU has AVX-512F.
-            unsafe { encode_avx512(&mut self.error, grad, self.block, recon, bits) };
-            return Ok(());
-        }
         encode_kernel(&mut self.error, grad, self.block, recon, bits);
         Ok(())
     }
 }
 
-multiversion! {
+by_isa! {
     fn encode_kernel(err: &mut [f32], g: &[f32], block: usize, recon: &mut [u8], bits: &mut [u8]) {
-        for (b, (ec, gc)) in err.chunks_mut(block).zip(g.chunks(block)).enumerate() {
-            let (pos, neg) = block_means(ec, gc);
-            recon[8 * b..8 * b + 4].copy_from_slice(&pos.to_le_bytes());
-            recon[8 * b + 4..8 * b + 8].copy_from_slice(&neg.to_le_bytes());
-            let out = &mut bits[b * block / 8..];
-            for (bytes, acc) in out.chunks_mut(8).zip(ec.chunks_mut(64)) {
-                // Flags and error update vectorise; the flags then pack into one u64.
-                let mut flags = [0u8; 64];
-                for (a, f) in acc.iter_mut().zip(flags.iter_mut()) {
-                    let nonneg = *a >= 0.0;
-                    *f = u8::from(nonneg);
-                    *a -= if nonneg { pos } else { neg };
-                }
-                let mut mask = 0u64;
-                for (j, &f) in flags.iter().enumerate() {
-                    mask |= u64::from(f) << j;
-                }
-                let n_bytes = acc.len().div_ceil(8);
-                bytes[..n_bytes].copy_from_slice(&mask.to_le_bytes()[..n_bytes]);
-            }
-        }
+        lanes L => encode_lanes::<L>(err, g, block, recon, bits),
+        // SAFETY: portable lanes need no CPU feature.
+        base => unsafe { encode_lanes::<Wide>(err, g, block, recon, bits) },
     }
 }
 
-/// `encode_kernel` with AVX-512: compares give the sign bits as masks, masked adds the sums.
-/// Requires `block % 16 == 0`; the last block may be shorter (its tail is done in scalar).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn encode_avx512(
+/// Encodes block by block (`bits` zeroed, `block` a multiple of 8): two passes over each
+/// block while it sits in L1, one for the means and one for the bits and the new error.
+#[inline(always)]
+unsafe fn encode_lanes<L: Lanes>(
     err: &mut [f32],
     g: &[f32],
     block: usize,
     recon: &mut [u8],
     bits: &mut [u8],
 ) {
-    use std::arch::x86_64::{
-        _mm512_add_ps, _mm512_cmp_ps_mask, _mm512_loadu_ps, _mm512_mask_add_ps,
-        _mm512_mask_blend_ps, _mm512_reduce_add_ps, _mm512_set1_ps, _mm512_setzero_ps,
-        _mm512_storeu_ps, _mm512_sub_ps, _CMP_GE_OQ,
-    };
-    let zero = _mm512_setzero_ps();
+    assert!(err.len() == g.len() && bits.len() == g.len().div_ceil(8));
+    assert!(block.is_multiple_of(8) && recon.len() == 8 * g.len().div_ceil(block));
     for (b, (ec, gc)) in err.chunks_mut(block).zip(g.chunks(block)).enumerate() {
-        let len = ec.len();
-        let wide = len & !15;
-        let (ep, gp) = (ec.as_mut_ptr(), gc.as_ptr());
-        let (mut total, mut nonneg) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-        let mut count = 0u32;
-        let mut i = 0;
-        while i < wide {
-            // SAFETY: i + 16 <= wide <= len, within both block slices.
-            let a = _mm512_add_ps(_mm512_loadu_ps(ep.add(i)), _mm512_loadu_ps(gp.add(i)));
-            _mm512_storeu_ps(ep.add(i), a);
-            let m = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(a, zero);
-            total = _mm512_add_ps(total, a);
-            nonneg = _mm512_mask_add_ps(nonneg, m, nonneg, a);
-            count += m.count_ones();
-            i += 16;
-        }
-        let (mut total, mut sum_pos, mut n_pos) = (
-            _mm512_reduce_add_ps(total),
-            _mm512_reduce_add_ps(nonneg),
-            count as f32,
-        );
-        for j in wide..len {
-            ec[j] += gc[j];
-            total += ec[j];
-            if ec[j] >= 0.0 {
-                sum_pos += ec[j];
-                n_pos += 1.0;
-            }
-        }
-        let n_neg = len as f32 - n_pos;
-        let pos = if n_pos > 0.0 { sum_pos / n_pos } else { 0.0 };
-        let neg = if n_neg > 0.0 {
-            (total - sum_pos) / n_neg
-        } else {
-            0.0
-        };
+        let (pos, neg) = block_means::<L>(ec, gc);
         recon[8 * b..8 * b + 4].copy_from_slice(&pos.to_le_bytes());
         recon[8 * b + 4..8 * b + 8].copy_from_slice(&neg.to_le_bytes());
-        let (pv, nv) = (_mm512_set1_ps(pos), _mm512_set1_ps(neg));
-        let out = &mut bits[b * block / 8..];
-        let mut i = 0;
-        while i < wide {
-            let a = _mm512_loadu_ps(ep.add(i));
-            let m = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(a, zero);
-            _mm512_storeu_ps(ep.add(i), _mm512_sub_ps(a, _mm512_mask_blend_ps(m, nv, pv)));
-            out[i / 8..i / 8 + 2].copy_from_slice(&m.to_le_bytes());
-            i += 16;
-        }
-        for j in wide..len {
-            let nonneg = ec[j] >= 0.0;
-            ec[j] -= if nonneg { pos } else { neg };
-            out[j / 8] |= u8::from(nonneg) << (j % 8);
-        }
+        // SAFETY: the block's bits start at byte `b * block / 8` and fill `ec.len() / 8` bytes
+        // (rounded up), all within `bits`.
+        quantize_block::<L>(ec, pos, neg, bits.as_mut_ptr().add(b * block / 8));
     }
 }
 
-/// Adds `g` into `acc` and returns (mean of values >= 0, mean of values < 0).
+/// Adds `g` into `acc` and returns (mean of the values >= 0, mean of those < 0). Element
+/// `i` goes into partial sum `i % 16` whatever the lane width, and the partial sums are
+/// added up in one order, so every ISA gives the same means.
 #[inline(always)]
-fn block_means(acc: &mut [f32], g: &[f32]) -> (f32, f32) {
-    let (mut total, mut nonneg, mut count) = ([0f32; 8], [0f32; 8], [0f32; 8]);
-    let mut ac = acc.chunks_exact_mut(8);
-    let mut gcs = g.chunks_exact(8);
-    for (a8, g8) in (&mut ac).zip(&mut gcs) {
-        for j in 0..8 {
-            let a = a8[j] + g8[j];
-            a8[j] = a;
-            let keep = a >= 0.0;
-            total[j] += a;
-            nonneg[j] += if keep { a } else { 0.0 };
-            count[j] += if keep { 1.0 } else { 0.0 };
+unsafe fn block_means<L: Lanes>(acc: &mut [f32], g: &[f32]) -> (f32, f32) {
+    const V: usize = VIRTUAL_LANES;
+    let per = V / L::N;
+    let len = acc.len();
+    let full = len - len % V;
+    let zero = L::splat(0.0);
+    let (mut total, mut nonneg) = ([zero; V], [zero; V]);
+    let mut count = 0u32;
+    let (ap, gp) = (acc.as_mut_ptr(), g.as_ptr());
+    let mut i = 0;
+    while i < full {
+        for k in 0..per {
+            // SAFETY: `i + V <= full <= len`.
+            let p = i + k * L::N;
+            let a = L::load(ap.add(p)).add(L::load(gp.add(p)));
+            a.store(ap.add(p));
+            let nonneg_lanes = a.ge(zero);
+            total[k] = total[k].add(a);
+            nonneg[k] = nonneg[k].add(L::select(nonneg_lanes, a, zero));
+            count += L::bits(nonneg_lanes).count_ones();
         }
+        i += V;
     }
-    for (a, &x) in ac.into_remainder().iter_mut().zip(gcs.remainder()) {
-        *a += x;
-        total[0] += *a;
-        if *a >= 0.0 {
-            nonneg[0] += *a;
-            count[0] += 1.0;
-        }
+    let (mut t, mut s) = ([0f32; V], [0f32; V]);
+    for k in 0..per {
+        total[k].spill(&mut t[k * L::N..]);
+        nonneg[k].spill(&mut s[k * L::N..]);
     }
-    let total: f32 = total.iter().sum();
-    let sum_pos: f32 = nonneg.iter().sum();
-    let n_pos: f32 = count.iter().sum();
-    let n_neg = acc.len() as f32 - n_pos;
+    for j in full..len {
+        let a = acc[j] + g[j];
+        acc[j] = a;
+        t[j % V] += a;
+        s[j % V] += if a >= 0.0 { a } else { 0.0 };
+        count += u32::from(a >= 0.0);
+    }
+    let (total, sum_pos, n_pos) = (sum16(t), sum16(s), count as f32);
+    let n_neg = len as f32 - n_pos;
     let pos = if n_pos > 0.0 { sum_pos / n_pos } else { 0.0 };
     let neg = if n_neg > 0.0 {
         (total - sum_pos) / n_neg
@@ -280,6 +218,31 @@ fn block_means(acc: &mut [f32], g: &[f32]) -> (f32, f32) {
         0.0
     };
     (pos, neg)
+}
+
+/// Writes one bit per element of `acc` (1 = value >= 0) at `bits` (zeroed) and leaves in
+/// `acc` what the reconstruction `pos` / `neg` misses.
+#[inline(always)]
+unsafe fn quantize_block<L: Lanes>(acc: &mut [f32], pos: f32, neg: f32, bits: *mut u8) {
+    let len = acc.len();
+    let wide = len - len % L::N;
+    let (pv, nv, zero) = (L::splat(pos), L::splat(neg), L::splat(0.0));
+    let ap = acc.as_mut_ptr();
+    let mut i = 0;
+    while i < wide {
+        // SAFETY: `i + L::N <= len`; whole bytes, as `L::N` and `i` are multiples of 8.
+        let a = L::load(ap.add(i));
+        let nonneg = a.ge(zero);
+        a.sub(L::select(nonneg, pv, nv)).store(ap.add(i));
+        let mask = L::bits(nonneg).to_le_bytes();
+        std::ptr::copy_nonoverlapping(mask.as_ptr(), bits.add(i / 8), L::N / 8);
+        i += L::N;
+    }
+    for (j, a) in acc.iter_mut().enumerate().skip(wide) {
+        let nonneg = *a >= 0.0;
+        *a -= if nonneg { pos } else { neg };
+        *bits.add(j / 8) |= u8::from(nonneg) << (j % 8);
+    }
 }
 
 /// A parsed payload; also a `GradSource` decoding on the fly.

@@ -10,7 +10,8 @@ use crate::error::{check_len, invalid, CoreError, Result};
 use crate::grad::GradSource;
 use crate::optim::SIGN_BIT;
 use crate::quant::Codec;
-use crate::simd::{self, multiversion};
+use crate::simd::lanes::{Lanes, Wide};
+use crate::simd::{self, by_isa};
 
 /// Largest vector the 31-bit index can address.
 pub const MAX_LEN: usize = 1 << 31;
@@ -126,12 +127,6 @@ impl ThresholdEncoder {
             return Err(CoreError::NonFinite { what: "gradient" });
         }
         out.clear();
-        #[cfg(target_arch = "x86_64")]
-        if simd::isa() == simd::Isa::Avx512 {
-            // SAFETY: the CPU has AVX-512F.
-            unsafe { encode_avx512(&mut self.residual, grad, self.tau, out) };
-            return Ok(());
-        }
         encode_kernel(&mut self.residual, grad, self.tau, out);
         Ok(())
     }
@@ -147,102 +142,63 @@ fn check_tau(tau: f32) -> Result<()> {
     }
 }
 
-multiversion! {
+by_isa! {
     fn encode_kernel(r: &mut [f32], g: &[f32], tau: f32, out: &mut Vec<u32>) {
-        const B: usize = 64;
-        let base_len = r.len() - r.len() % B;
-        let (rh, rt) = r.split_at_mut(base_len);
-        let (gh, gt) = g.split_at(base_len);
-        for (bi, (rc, gc)) in rh.chunks_exact_mut(B).zip(gh.chunks_exact(B)).enumerate() {
-            // Vectorised pass: accumulate and flag the elements that crossed the threshold.
-            let mut flags = [0u8; B];
-            for ((ri, &gi), f) in rc.iter_mut().zip(gc).zip(flags.iter_mut()) {
-                *ri += gi;
-                *f = u8::from(ri.abs() >= tau);
-            }
-            let mut mask = 0u64;
-            for (j, &f) in flags.iter().enumerate() {
-                mask |= u64::from(f) << j;
-            }
-            // Visit only the flagged elements.
-            while mask != 0 {
-                let j = mask.trailing_zeros() as usize;
-                mask &= mask - 1;
-                emit_one(&mut rc[j], bi * B + j, tau, out);
-            }
-        }
-        for (j, (ri, &gi)) in rt.iter_mut().zip(gt).enumerate() {
-            *ri += gi;
-            if ri.abs() >= tau {
-                emit_one(ri, base_len + j, tau, out);
-            }
-        }
+        lanes L => encode_lanes::<L>(r, g, tau, out),
+        // SAFETY: portable lanes need no CPU feature.
+        base => unsafe { encode_lanes::<Wide>(r, g, tau, out) },
     }
 }
 
-/// `encode_kernel` with AVX-512 and no data-dependent branch: the compare gives the
-/// crossing mask, a masked subtract updates the residual and a register compress packs
-/// the codes, which are stored 16 at a time into spare capacity (branch mispredictions
-/// on where codes fall otherwise cost more than the memory traffic).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn encode_avx512(r: &mut [f32], g: &[f32], tau: f32, out: &mut Vec<u32>) {
-    use std::arch::x86_64::{
-        _mm512_abs_ps, _mm512_add_epi32, _mm512_add_ps, _mm512_and_si512, _mm512_castps_si512,
-        _mm512_castsi512_ps, _mm512_cmp_ps_mask, _mm512_loadu_ps, _mm512_mask_sub_ps,
-        _mm512_maskz_compress_epi32, _mm512_or_si512, _mm512_set1_epi32, _mm512_set1_ps,
-        _mm512_setr_epi32, _mm512_storeu_ps, _mm512_storeu_si512, _CMP_GE_OQ,
-    };
-    let n = r.len().min(g.len());
-    let wide = n & !15;
-    let tv = _mm512_set1_ps(tau);
-    let sign = _mm512_set1_epi32(i32::MIN);
-    let step = _mm512_set1_epi32(16);
-    let mut idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+/// Adds `g` into `r` and appends the codes of the elements that reach `tau`, `L::N` at a
+/// time: a compare gives the crossing lanes, a masked subtract updates the residual and a
+/// compress packs the codes, with no data-dependent branch on x86 (branch mispredictions on
+/// where codes fall would otherwise cost more than the memory traffic).
+#[inline(always)]
+unsafe fn encode_lanes<L: Lanes>(r: &mut [f32], g: &[f32], tau: f32, out: &mut Vec<u32>) {
+    assert_eq!(r.len(), g.len());
+    let n = r.len();
+    let wide = n - n % L::N;
     let (rp, gp) = (r.as_mut_ptr(), g.as_ptr());
     let mut len = out.len();
     let mut i = 0;
-    while i < wide {
-        if out.capacity() - len < 16 {
+    while i < n {
+        if out.capacity() - len < L::N {
             out.set_len(len);
-            out.reserve(16.max(out.capacity() / 2));
+            out.reserve(L::N.max(out.capacity() / 2));
         }
-        // SAFETY: i + 16 <= wide <= n, within both slices; 16 spare code slots reserved.
-        let sum = _mm512_add_ps(_mm512_loadu_ps(rp.add(i)), _mm512_loadu_ps(gp.add(i)));
-        let m = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(_mm512_abs_ps(sum), tv);
-        let bits = _mm512_castps_si512(sum);
-        let signed_tau = _mm512_castsi512_ps(_mm512_or_si512(
-            _mm512_castps_si512(tv),
-            _mm512_and_si512(bits, sign),
-        ));
-        _mm512_storeu_ps(rp.add(i), _mm512_mask_sub_ps(sum, m, sum, signed_tau));
-        let codes = _mm512_or_si512(idx, _mm512_and_si512(bits, sign));
-        _mm512_storeu_si512(
-            out.as_mut_ptr().add(len).cast(),
-            _mm512_maskz_compress_epi32(m, codes),
-        );
-        len += m.count_ones() as usize;
-        idx = _mm512_add_epi32(idx, step);
-        i += 16;
+        // SAFETY: `i + L::N <= n` (or one lane at a time past `wide`), within both slices;
+        // `L::N` spare code slots were just reserved.
+        let dst = out.as_mut_ptr().add(len);
+        len += if i < wide {
+            let k = encode_at::<L>(rp.add(i), gp.add(i), tau, i as u32, dst);
+            i += L::N;
+            k
+        } else {
+            let k = encode_at::<f32>(rp.add(i), gp.add(i), tau, i as u32, dst);
+            i += 1;
+            k
+        };
     }
     out.set_len(len);
-    for j in wide..n {
-        r[j] += g[j];
-        if r[j].abs() >= tau {
-            emit_one(&mut r[j], j, tau, out);
-        }
-    }
 }
 
+/// One register of `encode_lanes`: returns how many codes it wrote at `out`.
 #[inline(always)]
-fn emit_one(r: &mut f32, index: usize, tau: f32, out: &mut Vec<u32>) {
-    if *r >= tau {
-        *r -= tau;
-        out.push(index as u32);
-    } else {
-        *r += tau;
-        out.push(index as u32 | SIGN_BIT);
-    }
+unsafe fn encode_at<L: Lanes>(
+    r: *mut f32,
+    g: *const f32,
+    tau: f32,
+    first: u32,
+    out: *mut u32,
+) -> usize {
+    let sum = L::load(r).add(L::load(g));
+    let tau = L::splat(tau);
+    let crossed = sum.abs().ge(tau);
+    // Over +tau loses tau, under -tau gains it; the others lose zero (which keeps them as they are).
+    let step = L::select(crossed, tau.copysign(sum), L::splat(0.0));
+    sum.sub(step).store(r);
+    sum.compress_codes(crossed, first, out)
 }
 
 /// Checks that codes address `0..n` in strictly ascending order.

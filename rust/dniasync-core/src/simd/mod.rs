@@ -1,14 +1,22 @@
-//! Vector-friendly building blocks shared by the kernels.
+//! Vector-friendly building blocks shared by the kernels, and the choice of instruction set.
 //!
-//! The store is made of `AtomicU32` cells, and LLVM never vectorises atomic
-//! accesses. Kernels therefore stage a chunk of cells into a stack buffer with
-//! wide moves, compute on plain `f32` slices (which do vectorise), and write the
-//! chunk back. The wide moves are inline assembly: to the Rust abstract machine
-//! an `asm!` block is an opaque operation, and each naturally aligned 4-byte lane
+//! Kernels are written once over `lanes::Lanes` and built for AVX-512, AVX2 and the
+//! portable baseline (`by_isa!`); `isa()` picks one per call, so tests and benchmarks can
+//! cap it (`with_isa`, `set_process_isa`, `DNIASYNC_ISA`) and compare them in one process.
+//!
+//! The store is made of `AtomicU32` cells, and LLVM never vectorises atomic accesses.
+//! The x86 kernels move cells into vector registers and back with inline assembly; the
+//! portable ones stage a chunk of cells into a stack buffer with wide moves, compute on
+//! plain `f32` slices (which do vectorise), and write the chunk back. To the Rust abstract
+//! machine an `asm!` block is an opaque operation, and each naturally aligned 4-byte lane
 //! of an x86 vector move is accessed as one unit, so the block behaves as a run of
 //! relaxed 32-bit atomic loads or stores, never a data race.
 
-use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU8, Ordering::Relaxed};
+
+pub mod lanes;
+#[cfg(target_arch = "x86_64")]
+pub mod x86;
 
 /// Elements per staged chunk: four f32 buffers of this size fit in L1.
 pub const CHUNK: usize = 1024;
@@ -30,8 +38,9 @@ impl Default for Buf {
     }
 }
 
-/// Defines `fn $name(args) -> ret` that runs its body compiled for AVX2+FMA when
-/// the CPU has them (checked at run time) and for the baseline target otherwise.
+/// Defines `fn $name(args) -> ret` that runs its body compiled for AVX-512 or AVX2+FMA when
+/// the CPU has them (checked at run time) and for the baseline target otherwise (for
+/// kernels plain Rust vectorises well, in the same order of operations at every width).
 macro_rules! multiversion {
     ($(#[$m:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$m])*
@@ -59,54 +68,128 @@ macro_rules! multiversion {
         }
     };
 }
-pub(crate) use multiversion;
+
+/// Defines `fn $name(args) -> ret` that runs `$lanes` (an expression generic over the
+/// `Lanes` type named `$l`) with AVX-512 or AVX2 registers when this thread may use them
+/// (`isa()`), and `$base`, the portable version, otherwise.
+macro_rules! by_isa {
+    ($(#[$m:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)?
+     { lanes $l:ident => $lanes:expr, base => $base:expr $(,)? }) => {
+        $(#[$m])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512vl,avx2,fma,popcnt")]
+                unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+                    type $l = $crate::simd::x86::Zmm;
+                    // SAFETY: reached only on a CPU with these features (see below).
+                    #[allow(unused_unsafe)]
+                    unsafe { $lanes }
+                }
+                #[target_feature(enable = "avx2,fma,popcnt")]
+                unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+                    type $l = $crate::simd::x86::Ymm;
+                    // SAFETY: as above.
+                    #[allow(unused_unsafe)]
+                    unsafe { $lanes }
+                }
+                match $crate::simd::isa() {
+                    // SAFETY: `isa()` never exceeds what the CPU was detected to have.
+                    $crate::simd::Isa::Avx512 => return unsafe { avx512($($arg),*) },
+                    $crate::simd::Isa::Avx2 => return unsafe { avx2($($arg),*) },
+                    $crate::simd::Isa::Base => {}
+                }
+            }
+            $base
+        }
+    };
+}
+pub(crate) use by_isa;
 
 /// An instruction set the kernels are built for, narrowest first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
+    /// The portable kernels, compiled for the baseline target (SSE2 on x86-64).
     Base,
     Avx2,
     Avx512,
+}
+
+impl Isa {
+    const ALL: [Isa; 3] = [Isa::Base, Isa::Avx2, Isa::Avx512];
+
+    /// "base", "avx2" or "avx512", as `DNIASYNC_ISA` and the Python API spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Base => "base",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Isa> {
+        Isa::ALL.into_iter().find(|i| i.name() == name)
+    }
 }
 
 thread_local! {
     static CAP: std::cell::Cell<Option<Isa>> = const { std::cell::Cell::new(None) };
 }
 
-/// The widest set this CPU offers, detected once; `DNIASYNC_ISA=base|avx2` caps it.
+/// `set_process_isa`'s cap as `Isa as u8`; `u8::MAX` for none.
+static PROCESS_CAP: AtomicU8 = AtomicU8::new(u8::MAX);
+
+/// The widest set this CPU offers, detected once; `DNIASYNC_ISA=base|avx2|avx512` caps it.
 pub fn detected_isa() -> Isa {
     static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
     *ISA.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let cap = std::env::var("DNIASYNC_ISA").unwrap_or_default();
-            let avx2 =
-                std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
-            let avx512 = avx2
-                && std::is_x86_feature_detected!("avx512f")
-                && std::is_x86_feature_detected!("avx512vl");
-            if avx512 && cap.is_empty() {
-                return Isa::Avx512;
-            }
-            if avx2 && cap != "base" {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Base
+        let cap = std::env::var("DNIASYNC_ISA")
+            .ok()
+            .and_then(|v| Isa::from_name(v.trim()))
+            .unwrap_or(Isa::Avx512);
+        cpu_isa().min(cap)
     })
 }
 
-/// The set kernels use on this thread: the detected one, or less inside `with_isa`.
-#[inline]
-pub fn isa() -> Isa {
-    let detected = detected_isa();
-    CAP.with(|c| c.get())
-        .map_or(detected, |cap| cap.min(detected))
+fn cpu_isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("popcnt");
+        if avx2
+            && std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512vl")
+        {
+            return Isa::Avx512;
+        }
+        if avx2 {
+            return Isa::Avx2;
+        }
+    }
+    Isa::Base
 }
 
-/// Every set this CPU can run, narrowest first (for testing each kernel variant).
+/// The set kernels use on this thread: the detected one, or less under `set_process_isa`
+/// or inside `with_isa`.
+#[inline]
+pub fn isa() -> Isa {
+    let mut isa = detected_isa();
+    if let Some(&cap) = Isa::ALL.get(usize::from(PROCESS_CAP.load(Relaxed))) {
+        isa = isa.min(cap);
+    }
+    CAP.with(|c| c.get()).map_or(isa, |cap| cap.min(isa))
+}
+
+/// Caps the kernels of every thread at `cap` (`None` lifts the cap): comparisons of the
+/// instruction sets within one process, as `bench_core.py` makes.
+pub fn set_process_isa(cap: Option<Isa>) {
+    PROCESS_CAP.store(cap.map_or(u8::MAX, |c| c as u8), Relaxed);
+}
+
+/// Every set this CPU can run (within `DNIASYNC_ISA`), narrowest first.
 pub fn available_isas() -> Vec<Isa> {
-    [Isa::Base, Isa::Avx2, Isa::Avx512]
+    Isa::ALL
         .into_iter()
         .filter(|&i| i <= detected_isa())
         .collect()
