@@ -139,3 +139,20 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def test_ctrl_c_leaves_a_summary_of_what_ran(tmp_path: Path) -> None:
+    launcher, out = start(tmp_path, "interrupt", seconds=300)
+    try:
+        wait_training(out)
+        launcher.send_signal(signal.SIGINT)
+        stdout, stderr = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, stdout + stderr
+    doc = summary(out)
+    assert doc["stop_reason"].startswith("stopped: the coordinator was shut down"), doc["stop_reason"]
+    assert doc["samples"] > 0 and doc["history"]
+    assert (out / "accuracy.png").exists()
+    assert str(out / "summary.json") in stdout

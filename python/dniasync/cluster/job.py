@@ -41,6 +41,9 @@ PS_LOST_AFTER_S: Final = 20.0
 MAX_DEFERRED_SNAPSHOTS: Final = 256
 """``eval.deferred`` keeps at most this many sets of weights; beyond, the oldest is scored at once."""
 EVAL_TIMEOUT_S: Final = 30.0
+STOP_GRACE_S: Final = 10.0
+"""How long a shutting-down coordinator may spend writing the summary of an unfinished job."""
+STOPPED: Final = "stopped: the coordinator was shut down before the job ended"
 TICK_S: Final = 0.25
 
 EVENT_EVAL_FAILED: Final = "eval_failed"
@@ -93,9 +96,17 @@ class JobRunner(Actor):
         self.ref.tell_nowait(_Tick())
 
     async def on_stop(self) -> None:
-        for task in (self._eval_task, self._ending):
-            if task is not None and not task.done():
-                task.cancel()
+        """The node is shutting down (SIGTERM, Ctrl-C): whatever ran still gets its summary."""
+        if self._eval_task is not None and not self._eval_task.done():
+            self._eval_task.cancel()
+        if self._ending is None and self.started_at is not None:
+            self._ending = asyncio.create_task(self._finish(STOPPED, "stopped", quick=True))
+        if self._ending is not None:
+            try:
+                async with asyncio.timeout(STOP_GRACE_S):
+                    await asyncio.shield(self._ending)
+            except (TimeoutError, asyncio.CancelledError):
+                log.warning("the summary could not be completed while stopping")
         await self.job.close()
 
     # -- clock ------------------------------------------------------------------
@@ -277,25 +288,18 @@ class JobRunner(Actor):
         if self._ending is None:
             self._ending = asyncio.create_task(self._finish(reason, state), name=f"{self.config.job.name}-finish")
 
-    async def _finish(self, reason: str, state: str) -> None:
-        """Stop training, take a last evaluation if it says something new, write the summary."""
+    async def _finish(self, reason: str, state: str, *, quick: bool = False) -> None:
+        """Stop training, take a last evaluation if it says something new, write the summary.
+
+        ``quick`` (the node is stopping, its peers too): no last evaluation, no asking for statistics.
+        """
         train_wall, train_samples = self.wall(), self.samples()
         self._wall_at_end = train_wall
+        self.report.set_metric("train_samples_per_s", train_samples / train_wall if train_wall > 0 else 0.0)
         try:
             await self.job.stop(reason)
-            if self._eval_task is not None:
-                await asyncio.gather(self._eval_task, return_exceptions=True)
-            last = self._deferred[-1].samples if self._deferred else (
-                self.report.history[-1].samples if self.report.history else None)
-            if state == "finished" and not reason.startswith("reached") and last != train_samples:
-                await self._evaluate()
-            if self._deferred:
-                log.info("training done: scoring %d deferred evaluations", len(self._deferred))
-                while self._deferred:
-                    await self._score(self._deferred.popleft())
-            self.report.set_metric("train_samples_per_s", train_samples / train_wall if train_wall > 0 else 0.0)
-            async with asyncio.timeout(EVAL_TIMEOUT_S):
-                await self.job.record(self.report)
+            if not quick:
+                await self._last_words(reason, state, train_samples)
         except Exception as exc:  # whatever failed, the summary of what ran is written
             log.exception("while ending the job")
             self.event(EVENT_JOB_FAILED, reason=repr(exc))
@@ -308,6 +312,21 @@ class JobRunner(Actor):
         self.state = state
         log.info("job %s: %s; summary in %s", state, reason, self.summary_path)
         self.finished.set()
+
+    async def _last_words(self, reason: str, state: str, train_samples: int) -> None:
+        """The last evaluation (unless the last one saw the final weights), deferred scores, the mode's figures."""
+        if self._eval_task is not None:
+            await asyncio.gather(self._eval_task, return_exceptions=True)
+        last = self._deferred[-1].samples if self._deferred else (
+            self.report.history[-1].samples if self.report.history else None)
+        if state == "finished" and not reason.startswith("reached") and last != train_samples:
+            await self._evaluate()
+        if self._deferred:
+            log.info("training done: scoring %d deferred evaluations", len(self._deferred))
+            while self._deferred:
+                await self._score(self._deferred.popleft())
+        async with asyncio.timeout(EVAL_TIMEOUT_S):
+            await self.job.record(self.report)
 
     # -- status -------------------------------------------------------------------
     @handler

@@ -231,6 +231,13 @@ async def _run(config_path: str, config: Config, out: IO[str]) -> int:
                 except TimeoutError:
                     pass
             print("\ninterrupted: stopping the cluster", file=out, flush=True)
+            await cluster.stop()  # the coordinator writes the summary of what ran as it stops
+            written = Path(config.output_dir) / "summary.json"
+            if written.exists():
+                doc = json.loads(written.read_text())
+                print(f"  {doc.get('stop_reason')}; {doc.get('samples', 0):,} samples in {doc.get('wall_s', 0):.1f} s",
+                      file=out)
+                print(f"  summary            {written}", file=out, flush=True)
             return 130
     finally:
         await cluster.stop()
