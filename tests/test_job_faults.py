@@ -156,3 +156,36 @@ def test_ctrl_c_leaves_a_summary_of_what_ran(tmp_path: Path) -> None:
     assert doc["samples"] > 0 and doc["history"]
     assert (out / "accuracy.png").exists()
     assert str(out / "summary.json") in stdout
+
+
+def test_a_killed_ps_shard_is_restarted_from_its_snapshot_and_the_job_reaches_its_target(tmp_path: Path) -> None:
+    out = tmp_path / "restart"
+    config = tmp_path / "restart.toml"
+    text = JOB.format(name="restart", out=out, seconds=240).replace("max_epochs = 100000", "max_epochs = 100000\ntarget_accuracy = 0.95")
+    config.write_text(text + "\n[checkpoint]\nevery_seconds = 0.5\n")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        children = wait_training(out)
+        log = out / "logs" / "coordinator0.log"
+        deadline = time.monotonic() + 120
+        while "snapshot of 2 PS shard(s)" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        victim = [c for c in children if c["role"] == "ps"][1]
+        os.kill(victim["pid"], signal.SIGKILL)
+        stdout, stderr = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, stdout + stderr
+    doc = summary(out)
+    assert doc["stop_reason"] == "reached target accuracy 0.95"
+    restarted = [e for e in doc["events"] if e["kind"] == "ps_restarted"]
+    assert len(restarted) == 1 and restarted[0]["shard"] == 1
+    assert restarted[0]["snapshot_version"] >= 1  # it came back from a snapshot, not from scratch
+    assert restarted[0]["version"] > restarted[0]["snapshot_version"]  # versions go on upward
+    assert doc["metrics"]["ps1_version"] >= restarted[0]["version"]
+    assert doc["metrics"]["ps1_applied"] > 0  # it took pushes again after the restart
+    assert "restarting it" in stdout

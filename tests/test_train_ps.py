@@ -119,3 +119,30 @@ async def test_quantized_pushes_apply_straight_into_the_store() -> None:
 def test_unknown_staleness_policy_is_an_error() -> None:
     with pytest.raises(ValueError, match="unknown staleness policy"):
         StalenessPolicy("random")
+
+
+async def test_a_shard_restarted_from_its_snapshot_continues_exactly() -> None:
+    from dniasync.train.messages import ShardSnapshot, SnapshotShard
+    from dniasync.train.specs import ShardResume
+
+    opt = OptimizerSpec("adagrad", 0.5, eps=1e-10)
+    async with ActorSystem() as system:
+        first = await system.spawn(PSShard, ShardSpec(0, 0, np.zeros(N, np.float32), opt), name="ps-0")
+        for seq in (1, 2, 3):
+            await first.tell(push(seq, np.linspace(-1, 1, N, dtype=np.float32) * seq))
+        snap: ShardSnapshot = await first.ask(SnapshotShard())
+        await first.tell(Fence("zombie"))
+        assert len(snap.state) == 1 and snap.version >= 3  # adagrad: one accumulator slot
+        resume = ShardResume(snap.version, snap.state, snap.ledger, snap.fenced)
+        second = await system.spawn(PSShard, ShardSpec(0, 0, snap.values, opt, resume=resume), name="ps-0b")
+        version, w = await values(second)
+        assert version == snap.version
+        np.testing.assert_array_equal(w, snap.values)
+        await second.tell(push(3, np.ones(N, np.float32)))  # applied before the snapshot: a duplicate
+        await first.tell(push(4, np.ones(N, np.float32)))
+        await second.tell(push(4, np.ones(N, np.float32)))
+        (v1, w1), (v2, w2) = await values(first), await values(second)
+        assert v2 == snap.version + 1 and v2 == v1  # the same step from the same state: the same result
+        np.testing.assert_array_equal(w1, w2)
+        stats = await second.ask(ShardStats())
+        assert stats["rejected"]["duplicate"] == 1

@@ -30,6 +30,7 @@ from dniasync.train.data import BUILTIN_DATASETS, DatasetError, count_examples, 
 from ._schema import ConfigError, KeyProblem, Section, convert_section, reference, to_table, unknown_key
 
 __all__ = [
+    "CheckpointConfig",
     "Config",
     "ConfigError",
     "DataConfig",
@@ -184,9 +185,18 @@ class EvalConfig(Section, frozen=True):
         return self.every_seconds if self.every_seconds is not None else 2.0
 
 
+class CheckpointConfig(Section, frozen=True):
+    """Snapshots of the job's state (today: the PS shards', kept by the coordinator in memory)."""
+
+    every_seconds: Annotated[float, Meta(gt=0.0, description=(
+        "snapshot every PS shard this often (parameters, optimizer state, version, push ledger); a PS process "
+        "that is restarted (by `--role local`, or an operator with the same address) continues from its last "
+        "snapshot, losing at most this interval of its updates"))] | None = 10.0
+
+
 _COMMON: Final[dict[str, type[Section]]] = {
     "job": JobConfig, "model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
-    "stop": StopConfig, "eval": EvalConfig,
+    "stop": StopConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig,
 }
 _REQUIRED: Final = ("job", "model", "data")
 
@@ -203,6 +213,7 @@ class Config:
     """The mode's section, of the type its mode module defines."""
     stop: StopConfig
     eval: EvalConfig
+    checkpoint: CheckpointConfig
 
     @property
     def mode(self) -> str:
@@ -224,7 +235,7 @@ class Config:
         return {
             "job": to_table(self.job), "model": to_table(self.model), "data": to_table(self.data),
             "optimizer": to_table(self.optimizer), self.mode: to_table(self.settings),
-            "stop": to_table(self.stop), "eval": to_table(self.eval),
+            "stop": to_table(self.stop), "eval": to_table(self.eval), "checkpoint": to_table(self.checkpoint),
         }
 
 
@@ -262,6 +273,7 @@ def parse_config(raw: Mapping[str, Any], *, resolve: bool = True) -> Config:
         settings=convert_section(job.mode, raw.get(job.mode, {}), mode.settings),
         stop=convert_section("stop", _table(raw, "stop"), StopConfig),
         eval=convert_section("eval", _table(raw, "eval"), EvalConfig),
+        checkpoint=convert_section("checkpoint", _table(raw, "checkpoint"), CheckpointConfig),
     )
     mode.check(config, raw)
     if config.eval.deferred and config.stop.target_accuracy is not None:

@@ -30,9 +30,10 @@ from .config import Config
 from .modes import JobFailed, ModeJob, Snapshot, get_mode
 from .protocol import Assignment, JobStatus, JobStatusReply, JoinJob, NoJob, Ready
 from .report import RunReport
+from .shards import ShardKeeper
 from .telemetry import track_trainer
 
-__all__ = ["EVENT_EVAL_FAILED", "EVENT_PS_DOWN", "JobRunner", "MAX_DEFERRED_SNAPSHOTS", "PS_LOST_AFTER_S"]
+__all__ = ["EVENT_EVAL_FAILED", "JobRunner", "MAX_DEFERRED_SNAPSHOTS", "PS_LOST_AFTER_S"]
 
 log = logging.getLogger("dniasync.cluster.job")
 
@@ -47,9 +48,6 @@ STOPPED: Final = "stopped: the coordinator was shut down before the job ended"
 TICK_S: Final = 0.25
 
 EVENT_EVAL_FAILED: Final = "eval_failed"
-EVENT_PS_DOWN: Final = "ps_down"
-EVENT_PS_UP: Final = "ps_up"
-EVENT_PS_LOST: Final = "ps_lost"
 EVENT_JOB_FAILED: Final = "job_failed"
 
 
@@ -74,13 +72,11 @@ class JobRunner(Actor):
         self.loss: float | None = None
         self.samples_per_s = 0.0
         self.summary_path = ""
-        self.ps: list[ActorRef | None] = []
-        self._ps_hosts: dict[str, int] = {}
-        self._ps_down: dict[int, float] = {}
         self._rate = (0.0, 0)
         self._next_eval_steps = config.eval.every_steps or 0
         self._last_eval_wall = 0.0
         self._eval_task: asyncio.Task[None] | None = None
+        self._snapshot_task: asyncio.Task[int] | None = None
         self._deferred: deque[Snapshot] = deque()
         self._ending: asyncio.Task[None] | None = None
         self._wall_at_end: float | None = None
@@ -90,15 +86,16 @@ class JobRunner(Actor):
         self.report = RunReport(self.config.job.name, self.config.mode,
                                 target_accuracy=self.config.stop.target_accuracy, config=self.config.to_dict())
         self.job: ModeJob = await self.run_blocking(get_mode(self.config.mode).job, self.config, self)
-        self.ps_specs = self.job.ps_shards()
-        self.ps = [None] * len(self.ps_specs)
+        self.shards = ShardKeeper(self.job.ps_shards(), self.event, lost_after_s=PS_LOST_AFTER_S)
+        self._last_snapshot = time.monotonic()
         track_trainer(self.system, self)
         self.ref.tell_nowait(_Tick())
 
     async def on_stop(self) -> None:
         """The node is shutting down (SIGTERM, Ctrl-C): whatever ran still gets its summary."""
-        if self._eval_task is not None and not self._eval_task.done():
-            self._eval_task.cancel()
+        for task in (self._eval_task, self._snapshot_task):
+            if task is not None and not task.done():
+                task.cancel()
         if self._ending is None and self.started_at is not None:
             self._ending = asyncio.create_task(self._finish(STOPPED, "stopped", quick=True))
         if self._ending is not None:
@@ -123,6 +120,11 @@ class JobRunner(Actor):
             self.state = "training"
 
     @property
+    def ps(self) -> list[ActorRef | None]:
+        """Each PS shard's ref (None until placed)."""
+        return self.shards.refs
+
+    @property
     def ending(self) -> bool:
         """The job has stopped training (its summary is being, or has been, written)."""
         return self._ending is not None
@@ -136,8 +138,8 @@ class JobRunner(Actor):
         if self.state in ("finished", "failed"):
             return NoJob(f"the job has {self.state}", retry=False)
         if msg.role == "ps":
-            return self._place_ps(msg)
-        if any(ref is None for ref in self.ps):
+            return self.shards.place(msg)
+        if not self.shards.placed:
             return NoJob("waiting for the PS shards", retry=True)
         try:
             return self.job.assign(msg)
@@ -145,24 +147,9 @@ class JobRunner(Actor):
             self._fail(exc)
             return NoJob(str(exc), retry=False)
 
-    def _place_ps(self, msg: JoinJob) -> Assignment | NoJob:
-        shard = self._ps_hosts.get(msg.member)
-        if shard is None:
-            placed = set(self._ps_hosts.values())
-            free = [k for k in range(len(self.ps_specs)) if k not in placed]
-            if not free:
-                return NoJob("every PS shard is hosted", retry=False)
-            shard = self._ps_hosts[msg.member] = free[0]
-            log.info("PS shard %d (%d parameters) goes to %s", shard, self.ps_specs[shard].values.size, msg.member)
-        return Assignment(self.ps_specs[shard])
-
     @handler
     async def ready(self, msg: Ready) -> bool:
-        shard = self._ps_hosts.get(msg.member)
-        if shard is not None:
-            self.ps[shard] = msg.refs[0]
-            if all(ref is not None for ref in self.ps):
-                log.info("all %d PS shards ready", len(self.ps))
+        if self.shards.ready(msg.member, msg.refs):
             return True
         try:
             await self.job.ready(msg)
@@ -172,6 +159,8 @@ class JobRunner(Actor):
 
     @handler
     def progress(self, msg: Progress) -> None:
+        for shard, version in enumerate(msg.ps_versions):
+            self.shards.note_version(shard, version)
         self.job.progress(msg)
         if self._ending is None and self.samples() >= self._sample_budget():
             self.ref.tell_nowait(_Tick())  # the epoch budget is spent: stop now, not at the next tick
@@ -182,9 +171,10 @@ class JobRunner(Actor):
         if self._ending is not None:
             return
         try:
-            self._check_ps()
+            self.shards.check(time.monotonic())
             self.job.check(time.monotonic())
             if self.state == "training":
+                self._maybe_snapshot()
                 self._maybe_evaluate()
                 reason = self._stop_reason()
                 if reason is not None:
@@ -195,23 +185,12 @@ class JobRunner(Actor):
             return
         self.send_later(min(TICK_S, self.config.eval.interval_s or TICK_S), _Tick())
 
-    def _check_ps(self) -> None:
-        now = time.monotonic()
-        for k, ref in enumerate(self.ps):
-            if ref is None:
-                continue
-            if ref.is_alive:
-                if self._ps_down.pop(k, None) is not None:
-                    self.event(EVENT_PS_UP, shard=k, address=ref.address)
-                    log.info("PS shard %d at %s is reachable again", k, ref.address)
-                continue
-            since = self._ps_down.setdefault(k, now)
-            if since == now:
-                self.event(EVENT_PS_DOWN, shard=k, address=ref.address)
-                log.warning("PS shard %d at %s is unreachable", k, ref.address)
-            elif now - since >= PS_LOST_AFTER_S:
-                raise JobFailed(f"PS shard {k} at {ref.address} is down (unreachable for {now - since:.0f} s)",
-                                EVENT_PS_LOST, shard=k, address=ref.address)
+    def _maybe_snapshot(self) -> None:
+        every = self.config.checkpoint.every_seconds
+        due = every is not None and time.monotonic() - self._last_snapshot >= every
+        if due and self.shards.refs and (self._snapshot_task is None or self._snapshot_task.done()):
+            self._last_snapshot = time.monotonic()
+            self._snapshot_task = asyncio.create_task(self.shards.snapshot(), name=f"{self.config.job.name}-snap")
 
     def samples(self) -> int:
         return self.job.samples()

@@ -34,6 +34,25 @@ PROMETHEUS_TARGETS = "prometheus_targets.json"
 """File-based service discovery targets (every child node) written to the job's output dir."""
 
 
+RESTART_LIMIT = 3
+RESTART_WINDOW_S = 60.0
+
+
+class _Restarts:
+    """At most RESTART_LIMIT restarts of one process in RESTART_WINDOW_S; past that the job fails."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {}
+
+    def allow(self, key: str) -> bool:
+        now = time.monotonic()
+        recent = [t for t in self.times.get(key, []) if now - t < RESTART_WINDOW_S]
+        if len(recent) >= RESTART_LIMIT:
+            return False
+        self.times[key] = [*recent, now]
+        return True
+
+
 @dataclass
 class _Child:
     role: str
@@ -98,10 +117,10 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-async def _spawn(cluster: _Cluster, role: str, index: int, args: list[str]) -> _Child:
+async def _spawn(cluster: _Cluster, role: str, index: int, args: list[str], log: Path | None = None) -> _Child:
     logs = cluster.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    log = logs / f"{role}{index}.log"
+    log = log or logs / f"{role}{index}.log"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dniasync.node", "--role", role, *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
@@ -191,9 +210,24 @@ async def _run(config_path: str, config: Config, out: IO[str]) -> int:
 
         mode = get_mode(config.mode)
         n_ps, n_workers = mode.processes(config)
+        restarts = _Restarts()
         for i in range(n_ps):
             child = await _spawn(cluster, "ps", i, join)
             pumps.append(asyncio.create_task(_pump(child, listening_at(child))))
+
+        async def restart_ps(child: _Child) -> None:
+            """A PS process died: start it again on its address; its shard comes back from the last snapshot."""
+            index = cluster.children.index(child)
+            print(f"\nPS process {child.address} exited ({child.proc.returncode}); restarting it "
+                  f"(see {child.log})", file=out, flush=True)
+            n = len(restarts.times.get(child.address, []))
+            again = await _spawn(cluster, "ps", index, [*join, "--listen", child.address],
+                                 log=child.log.with_name(f"{child.log.stem}.restart{n}.log"))
+            again.address = child.address
+            cluster.children.remove(again)  # _spawn appended it: it takes the dead one's place instead
+            cluster.children[index] = again
+            pumps.append(asyncio.create_task(_pump(again, None)))
+            cluster.write_files(config.job.name)
         for i in range(n_workers):
             child = await _spawn(cluster, "worker", i, join)
             pumps.append(asyncio.create_task(_pump(child, listening_at(child))))
@@ -212,6 +246,12 @@ async def _run(config_path: str, config: Config, out: IO[str]) -> int:
                     print(f"\nerror: the coordinator exited ({coordinator.proc.returncode}); see {coordinator.log}",
                           file=sys.stderr)
                     return 1
+                for child in [c for c in cluster.children if c.role == "ps" and c.proc.returncode is not None]:
+                    if not restarts.allow(child.address):
+                        print(f"\nerror: PS process {child.address} keeps failing ({RESTART_LIMIT} restarts in "
+                              f"{RESTART_WINDOW_S:.0f} s); see {child.log}", file=sys.stderr)
+                        return 1
+                    await restart_ps(child)
                 try:
                     status = await trainer.ask(JobStatus(), timeout=5.0)
                 except ActorError:

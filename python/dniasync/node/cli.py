@@ -11,10 +11,19 @@ import sys
 import tomllib
 from typing import Any
 
+from aiohttp import web
+
 from ..actors import ActorError, ActorSystem
 from ..cluster.config import ConfigError, load_config
 from ..metrics import NodeMetrics
-from ..remote import RemoteSettings, WebSocketTransport, is_loopback, parse_hostport, read_token_file
+from ..remote import (
+    RemoteSettings,
+    WebSocketTransport,
+    is_loopback,
+    parse_hostport,
+    read_token_file,
+    serve_guarded,
+)
 from ..runtime import run
 from ._membership import COORDINATOR, Join, Leave, join_cluster
 from . import _training  # noqa: F401  (registers the training side of the roles)
@@ -62,9 +71,13 @@ _CONFIG_KEYS = {
     "listen": str,
     "join": str,
     "advertise": str,
+    "metrics_listen": str,
     "token_file": str,
     "heartbeat_s": float,
     "detect_s": float,
+    "header_timeout_s": float,
+    "max_connections": int,
+    "max_connections_per_address": int,
     "spawn": list,
     "log_level": str,
 }
@@ -99,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--advertise", metavar="HOST:PORT", help="address other nodes reach this one at (default: --listen)"
     )
     parser.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="also serve /metrics (and the coordinator's live page) here, without the token; beyond loopback "
+        "--listen serves them only to 'Authorization: Bearer <token>'",
+    )
+    parser.add_argument(
         "--token-file",
         metavar="F",
         help="file holding the shared cluster token (>= 16 bytes); every node of the cluster uses the same",
@@ -118,6 +137,22 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="S",
         help="a peer silent for this many seconds is declared down (default 3.0)",
+    )
+    parser.add_argument(
+        "--header-timeout-s",
+        type=float,
+        metavar="S",
+        help="close a connection whose request headers are not complete this long after it opened or after "
+        "its last response (default 10)",
+    )
+    parser.add_argument(
+        "--max-connections", type=int, metavar="N", help="connections open on the listener at once (default 1024)"
+    )
+    parser.add_argument(
+        "--max-connections-per-address",
+        type=int,
+        metavar="N",
+        help="connections open from one peer address at once (default 64)",
     )
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
     return parser
@@ -166,7 +201,7 @@ def resolve_options(args: argparse.Namespace, *, token: bytes | None = None) -> 
         raise _UsageError("--role is required (" + ", ".join(sorted(ROLES)) + ")")
     if role not in ROLES:
         raise _UsageError(f"unknown role {role!r} (choose from {', '.join(sorted(ROLES))})")
-    for key in ("listen", "join", "advertise"):
+    for key in ("listen", "join", "advertise", "metrics_listen"):
         if key in options:
             try:
                 parse_hostport(options[key])
@@ -198,6 +233,11 @@ def resolve_options(args: argparse.Namespace, *, token: bytes | None = None) -> 
         options["settings"] = RemoteSettings(
             heartbeat_s=options.get("heartbeat_s", defaults.heartbeat_s),
             detect_s=options.get("detect_s", defaults.detect_s),
+            header_timeout_s=options.get("header_timeout_s", defaults.header_timeout_s),
+            max_connections=options.get("max_connections", defaults.max_connections),
+            max_connections_per_address=options.get(
+                "max_connections_per_address", defaults.max_connections_per_address
+            ),
         )
     except ValueError as exc:
         raise _UsageError(str(exc)) from None
@@ -224,6 +264,7 @@ async def run_node(options: dict[str, Any]) -> int:
             token=options["token"],
             advertise=options.get("advertise"),
             settings=options["settings"],
+            starting=True,  # peers allow startup_grace_s of silence until the roles run and the node joined
         )
         node_metrics = NodeMetrics(system, role, transport)
         mount_metrics(transport.app, node_metrics)
@@ -235,7 +276,14 @@ async def run_node(options: dict[str, Any]) -> int:
         except OSError as exc:
             print(f"error: cannot listen on {options['listen']}: {exc.strerror or exc}", file=sys.stderr)
             return 1
+        operator: web.AppRunner | None = None
         try:
+            if "metrics_listen" in options:
+                try:
+                    operator = await _serve_operator(options, transport, node_metrics, live)
+                except OSError as exc:
+                    print(f"error: cannot listen on {options['metrics_listen']}: {exc.strerror or exc}", file=sys.stderr)
+                    return 1
             context = NodeContext(system, transport, role, options.get("join"), stop, options)
             await ROLES[role](context)
             if live is not None:
@@ -249,6 +297,7 @@ async def run_node(options: dict[str, Any]) -> int:
             joined = await _join(context)
             if joined:
                 print(f"dniasync node {transport.address} joined the cluster via {context.join}", flush=True)
+            transport.mark_ready()
             await stop.wait()
             log.info("shutting down")
             if joined:
@@ -257,8 +306,27 @@ async def run_node(options: dict[str, Any]) -> int:
             if follower is not None:
                 stop.set()
                 status = await follower
+            if operator is not None:
+                await operator.cleanup()
             await transport.close()
     return status
+
+
+async def _serve_operator(
+    options: dict[str, Any], transport: WebSocketTransport, metrics: NodeMetrics, live: LivePage | None
+) -> web.AppRunner:
+    """``--metrics-listen``: /metrics (and the live page) on a listener of their own, without the token."""
+    app = web.Application()
+    mount_metrics(app, metrics)
+    if live is not None:
+        live.mount(app)
+    host, port = parse_hostport(options["metrics_listen"])
+    if not is_loopback(host):
+        log.warning("--metrics-listen %s is beyond loopback: /metrics is open to anyone who reaches it", host)
+    runner, port = await serve_guarded(app, (host, port), transport.settings, transport.counters)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"dniasync node metrics on http://{shown}:{port}/metrics", flush=True)
+    return runner
 
 
 async def _join(context: NodeContext) -> bool:

@@ -8,6 +8,7 @@ and refs to actors on other nodes (``name@host:port``) work like local ones.
 from ._auth import Authenticator, read_token_file
 from ._codec import Decoder, Frame, Limits, encode
 from ._errors import AuthError, DecodeError, ProtocolError, RemoteError
+from ._guard import ConnectionGuard, serve_guarded
 from ._latency import ASK_LATENCY_BUCKETS, AskLatency
 from ._settings import RemoteCounters, RemoteSettings
 from ._transport import PeerListener, WebSocketTransport, is_loopback, parse_hostport
@@ -16,6 +17,7 @@ __all__ = [
     "ASK_LATENCY_BUCKETS",
     "AskLatency",
     "AuthError",
+    "ConnectionGuard",
     "Authenticator",
     "DecodeError",
     "Decoder",
@@ -31,4 +33,5 @@ __all__ = [
     "is_loopback",
     "parse_hostport",
     "read_token_file",
+    "serve_guarded",
 ]

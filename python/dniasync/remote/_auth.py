@@ -95,6 +95,17 @@ class Authenticator:
         )
 
     # -- server side -----------------------------------------------------------
+    def check_bearer(self, authorization: str) -> bool:
+        """True if an ``Authorization`` header carries the token itself (``Bearer <token>``).
+
+        For operators' HTTP routes (``/metrics``, the live page) on a node that listens
+        beyond loopback: Prometheus sends it from ``authorization.credentials_file``.
+        """
+        if self.token is None:
+            return False
+        scheme, _, credentials = authorization.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), self.token)
+
     def issue_server_nonce(self) -> str:
         """A fresh server nonce; stateless (time + random + MAC under a process key)."""
         stamp = int(self._clock() * 1000).to_bytes(8, "big")

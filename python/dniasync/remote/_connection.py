@@ -25,6 +25,8 @@ log = logging.getLogger("dniasync.remote")
 WebSocket = web.WebSocketResponse | aiohttp.ClientWebSocketResponse
 
 _PING = encode(OP_PING, "", 0, None)
+_PING_STARTING = encode(OP_PING, "starting", 0, None)
+"""The heartbeat of a node still starting up: its peers allow it ``startup_grace_s`` of silence."""
 
 
 def remote_error(address: str, remote_type: str, detail: str) -> Exception:
@@ -91,6 +93,8 @@ class Connection:
         self.last_rx = self.loop.time()
         self.closed = False
         self.retired = False
+        self.peer_starting = False
+        """The peer said it is still starting (upgrade header, challenge, or its last heartbeat)."""
         self._wake = asyncio.Event()
         self._stream_ids = itertools.count(1)
         self._part_bytes = transport.settings.limits.part_bytes
@@ -216,7 +220,7 @@ class Connection:
 
     def ping(self) -> None:
         if not self.outbox:
-            self.send_nowait(OP_PING, _PING, bounded=False)
+            self.send_nowait(OP_PING, _PING_STARTING if self.transport.starting else _PING, bounded=False)
 
     # -- receiving ---------------------------------------------------------------
     async def read_loop(self) -> None:
@@ -270,6 +274,7 @@ class Connection:
         """Hand a frame on; True if reading must pause until a full mailbox has room."""
         op = frame.op
         if op == OP_PING:
+            self.peer_starting = frame.target == "starting"
             return False
         if op == OP_REPLY or op == OP_FAIL:
             self.peer.resolve(frame)

@@ -39,6 +39,18 @@ class RemoteSettings:
     allowed_hosts: tuple[str, ...] | None = None
     """Host header names accepted on upgrade; None: loopback names on a loopback
     listener, anything on another (the token is the guard there)."""
+    header_timeout_s: float = 10.0
+    """A connection whose request headers are not complete this long after it was accepted, or
+    after its previous response, is closed (slowloris, idle keep-alive, idle unauthenticated)."""
+    max_connections: int = 1024
+    """Connections open on the listener at once; past it the oldest unauthenticated one makes room."""
+    max_connections_per_address: int = 64
+    """Connections open from one peer address at once (same rule)."""
+    handshake_timeout_s: float = 10.0
+    """How long dialing a peer (challenge, then websocket upgrade) may take before it is abandoned."""
+    startup_grace_s: float = 30.0
+    """Silence tolerated from a peer that said it is still starting (heavy imports, model
+    building) instead of ``detect_s``, until it says it is ready; the longer of the two applies."""
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
@@ -46,6 +58,10 @@ class RemoteSettings:
             raise ValueError(f"need 0 < heartbeat_s < detect_s, got {self.heartbeat_s} and {self.detect_s}")
         if not 0 < self.backoff_min_s <= self.backoff_max_s:
             raise ValueError("need 0 < backoff_min_s <= backoff_max_s")
+        if self.header_timeout_s <= 0 or self.handshake_timeout_s <= 0:
+            raise ValueError("need header_timeout_s > 0 and handshake_timeout_s > 0")
+        if not 1 <= self.max_connections_per_address <= self.max_connections:
+            raise ValueError("need 1 <= max_connections_per_address <= max_connections")
 
 
 @dataclass
@@ -62,6 +78,12 @@ class RemoteCounters:
     reconnects: int = 0
     peers_lost: int = 0
     connections_accepted: int = 0
+    connections_refused: int = 0
+    """Reset on accept: the listener was at a connection cap with nobody to evict."""
+    connections_evicted: int = 0
+    """Unauthenticated connections closed to make room for a newer one at a cap."""
+    connections_timed_out: int = 0
+    """Closed because their request headers did not arrive within ``header_timeout_s``."""
 
     def snapshot(self) -> dict[str, int]:
         return dataclasses.asdict(self)

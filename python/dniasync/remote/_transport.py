@@ -8,7 +8,7 @@ import logging
 import random
 import secrets
 import socket
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import Any
 
@@ -18,6 +18,7 @@ from aiohttp import web
 from ..actors import ActorNotFound, ActorRef, ActorStopped, ActorSystem, split_address
 from ._auth import Authenticator
 from ._connection import Connection, WebSocket
+from ._guard import ConnectionGuard, GuardedSite
 from ._latency import AskLatency
 from ._peer import DOWN, NEW, UP, Peer, RemoteDestination, expire_asks
 from ._settings import RemoteCounters, RemoteSettings
@@ -33,6 +34,7 @@ H_INCARNATION = "X-Dniasync-Incarnation"
 H_SERVER_NONCE = "X-Dniasync-Nonce"
 H_CLIENT_NONCE = "X-Dniasync-Client-Nonce"
 H_PROOF = "X-Dniasync-Proof"
+H_STARTING = "X-Dniasync-Starting"
 
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 _NOT_IN_HOST = frozenset("/?#@\\ \t\r\n%")
@@ -98,6 +100,9 @@ class WebSocketTransport:
     only listens on loopback. ``advertise`` is the ``host:port`` other nodes
     reach this one at (default: the listen address). ``app`` is the node's
     one aiohttp application; add routes to it before entering.
+    ``starting=True`` tells peers this node is still starting (heavy imports,
+    models being built), so they tolerate ``settings.startup_grace_s`` of
+    silence from it until :meth:`mark_ready`.
     """
 
     def __init__(
@@ -108,6 +113,7 @@ class WebSocketTransport:
         token: bytes | None = None,
         advertise: str | None = None,
         settings: RemoteSettings | None = None,
+        starting: bool = False,
     ) -> None:
         self.system = system
         self.settings = settings or RemoteSettings()
@@ -124,7 +130,9 @@ class WebSocketTransport:
             )
         self._advertise = advertise
         self.address = ""
-        self.app = web.Application()
+        self.starting = starting
+        self.guard = ConnectionGuard(self.settings, self.counters)
+        self.app = web.Application(middlewares=[self.guard.middleware(), self._operator_routes])
         self.app.router.add_get(CHALLENGE_PATH, self._handle_challenge)
         self.app.router.add_get(WS_PATH, self._handle_ws)
         self._runner: web.AppRunner | None = None
@@ -169,10 +177,17 @@ class WebSocketTransport:
             self.app, access_log=None, handle_signals=False, shutdown_timeout=self.settings.close_timeout_s
         )
         await self._runner.setup()
-        await web.SockSite(self._runner, sock).start()
+        await GuardedSite(self._runner, sock, self.guard).start()
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=5.0))
         self.spawn_task(self._watch(), "ws-heartbeat")
         log.info("node %s listening (incarnation %s)", self.address, self.incarnation)
+
+    def mark_ready(self) -> None:
+        """This node has started: peers go back to ``detect_s`` for it (told with the next heartbeat)."""
+        self.starting = False
+        for conn in list(self._connections):
+            if not conn.closed:
+                conn.ping()
 
     def enable_ask_latency(self) -> AskLatency:
         """Start timing asks to other nodes (a few list increments per reply)."""
@@ -326,6 +341,11 @@ class WebSocketTransport:
             peer.connector = None
 
     async def _dial(self, peer: Peer) -> None:
+        # a peer that accepts and then says nothing (frozen, or hostile) must not hold the dialer
+        async with asyncio.timeout(self.settings.handshake_timeout_s):
+            await self._handshake(peer)
+
+    async def _handshake(self, peer: Peer) -> None:
         assert self._session is not None
         base = f"http://{peer.node}"
         client_nonce = Authenticator.client_nonce()
@@ -336,12 +356,15 @@ class WebSocketTransport:
             challenge = await resp.json()
         server_nonce, server_node = str(challenge["nonce"]), str(challenge["node"])
         incarnation = str(challenge["incarnation"])
+        peer_starting = challenge.get("starting") is True
         headers = {
             H_NODE: self.address,
             H_INCARNATION: self.incarnation,
             H_SERVER_NONCE: server_nonce,
             H_CLIENT_NONCE: client_nonce,
         }
+        if self.starting:
+            headers[H_STARTING] = "1"
         if self.auth.enabled:
             expected = self.auth.server_proof(client_nonce, server_nonce, server_node)
             if not secrets.compare_digest(expected, str(challenge.get("proof", ""))):
@@ -360,6 +383,7 @@ class WebSocketTransport:
             timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=self.settings.close_timeout_s),
         )
         conn = self._adopt(peer.node, incarnation, ws, dialer=self.address)
+        conn.peer_starting = peer_starting
         self.spawn_task(self._read(conn), f"ws-read:{peer.node}")
 
     async def _read(self, conn: Connection) -> None:
@@ -413,16 +437,22 @@ class WebSocketTransport:
             self.ensure_connecting(peer)
 
     async def _watch(self) -> None:
-        """Heartbeats out; declare silent peers down."""
+        """Heartbeats out; declare silent peers down (a peer still starting gets ``startup_grace_s``).
+
+        After a stall of this node's own loop, both event loops it may run on
+        read pending sockets before timers, so the frames peers sent meanwhile
+        are counted before this check runs.
+        """
         settings = self.settings
         loop = asyncio.get_running_loop()
+        grace = max(settings.startup_grace_s, settings.detect_s)
         while True:
             await asyncio.sleep(settings.heartbeat_s)
             now = loop.time()
             for conn in list(self._connections):
                 if conn.closed:
                     continue
-                if now - conn.last_rx > settings.detect_s:
+                if now - conn.last_rx > (grace if conn.peer_starting else settings.detect_s):
                     silence = now - conn.last_rx
                     self.connection_lost(conn, f"no heartbeat for {silence:.1f} s")
                     self.spawn_task(conn.close(), f"ws-close:{conn.peer.node}")
@@ -430,6 +460,24 @@ class WebSocketTransport:
                     conn.ping()
 
     # -- server side --------------------------------------------------------------------
+    @web.middleware
+    async def _operator_routes(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Routes others add to the app (``/metrics``, the live page) need the token beyond loopback."""
+        if (
+            not request.path.startswith("/dniasync/")
+            and not is_loopback(self._host)
+            and not self.auth.check_bearer(request.headers.get("Authorization", ""))
+        ):
+            self.counters.auth_failures += 1
+            raise web.HTTPUnauthorized(
+                text="dniasync: this node listens beyond loopback: send 'Authorization: Bearer <cluster token>', "
+                "or read it on the node's --metrics-listen address\n",
+                headers={"WWW-Authenticate": 'Bearer realm="dniasync"'},
+            )
+        return await handler(request)
+
     def _check_origin(self, request: web.Request) -> str | None:
         if request.headers.get("Origin") is not None:
             return "cross-origin requests are not accepted"
@@ -454,7 +502,9 @@ class WebSocketTransport:
         if not 8 <= len(client_nonce) <= 64:
             raise self._refuse(request, "missing or malformed client nonce")
         nonce = self.auth.issue_server_nonce()
-        body: dict[str, str] = {"nonce": nonce, "node": self.address, "incarnation": self.incarnation}
+        body: dict[str, Any] = {"nonce": nonce, "node": self.address, "incarnation": self.incarnation}
+        if self.starting:
+            body["starting"] = True
         if self.auth.enabled:
             body["proof"] = self.auth.server_proof(client_nonce, nonce, self.address)
         return web.json_response(body)
@@ -488,8 +538,10 @@ class WebSocketTransport:
             timeout=self.settings.close_timeout_s,
         )
         await ws.prepare(request)
+        self.guard.trust(request.transport)
         self.counters.connections_accepted += 1
         conn = self._adopt(node, incarnation, ws, dialer=node)
+        conn.peer_starting = headers.get(H_STARTING) == "1"
         try:
             await conn.read_loop()
         finally:

@@ -13,7 +13,8 @@ import numpy as np
 
 from ..actors import message
 
-__all__ = ["Fence", "Params", "Progress", "Pull", "Push", "ShardStats", "Shards", "StopTraining"]
+__all__ = ["Fence", "Params", "Progress", "Pull", "Push", "ShardSnapshot", "ShardStats", "Shards", "SnapshotShard",
+           "StopTraining"]
 
 
 @message("dniasync.train.Pull")
@@ -58,6 +59,25 @@ class Fence:
     replica: str
 
 
+@message("dniasync.train.SnapshotShard")
+@dataclass(frozen=True)
+class SnapshotShard:
+    """Ask a PS shard for everything it needs to continue after a restart (a :class:`ShardSnapshot`)."""
+
+
+@message("dniasync.train.ShardSnapshot")
+@dataclass(frozen=True)
+class ShardSnapshot:
+    """A PS shard's parameters, optimizer state, version, push ledger and fenced replicas, taken at once."""
+
+    shard: int
+    values: np.ndarray
+    version: int
+    state: list[np.ndarray]
+    ledger: dict[str, list[int]]
+    fenced: list[str]
+
+
 @message("dniasync.train.ShardStats")
 @dataclass(frozen=True)
 class ShardStats:
@@ -88,6 +108,8 @@ class Progress:
     pushes: int
     dense_bytes_pushed: int
     """What the pushed gradients would take as dense float32: the compression claim is checked against it."""
+    ps_versions: list[int]
+    """The version of each PS shard it pulled last (a restarted shard continues above them)."""
 
 
 @message("dniasync.train.StopTraining")

@@ -21,6 +21,7 @@ __all__ = [
     "ModelFactoryError",
     "build_model",
     "check_kwargs",
+    "cnn",
     "count_parameters",
     "mlp",
     "resolve_factory",
@@ -61,6 +62,46 @@ def mlp(sizes: Sequence[int] = (784, 256, 256, 10), activation: str = "relu") ->
         if i:
             layers.append(ACTIVATIONS[activation]())
         layers.append(nn.Linear(n_in, n_out))
+    return nn.Sequential(*layers)
+
+
+NORMS: Final[dict[str, Callable[[int], nn.Module]]] = {
+    "batch": nn.BatchNorm2d,
+    "group": lambda c: nn.GroupNorm(min(8, c), c),
+    "none": lambda c: nn.Identity(),
+}
+"""Normalisation names accepted by :func:`cnn`."""
+
+
+def cnn(
+    image: Sequence[int] = (1, 28, 28),
+    channels: Sequence[int] = (16, 32),
+    hidden: int = 128,
+    classes: int = 10,
+    norm: str = "batch",
+) -> nn.Sequential:
+    """A small convolutional net over flat inputs, as one ``nn.Sequential`` a pipeline can cut anywhere.
+
+    ``Unflatten`` to ``image`` (C, H, W), then per entry of ``channels`` a block
+    ``Conv2d 3x3 -> norm -> ReLU -> MaxPool2d 2``, then ``Flatten -> Linear(hidden)
+    -> ReLU -> Linear(classes)``. With the defaults the layers are: 0 Unflatten,
+    1-4 and 5-8 the blocks, 9 Flatten, 10 Linear, 11 ReLU, 12 Linear.
+    """
+    image, channels = list(image), list(channels)
+    if len(image) != 3 or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in image):
+        raise ValueError(f"cnn image must be (channels, height, width) positive ints, got {image}")
+    if not channels or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in channels):
+        raise ValueError(f"cnn channels must be positive ints, got {channels}")
+    if norm not in NORMS:
+        raise ValueError(f"unknown norm {norm!r}; choose one of {', '.join(NORMS)}")
+    c_in, h, w = image
+    if h >> len(channels) < 1 or w >> len(channels) < 1:
+        raise ValueError(f"cnn: {len(channels)} pooling blocks do not fit an image of {h}x{w}")
+    layers: list[nn.Module] = [nn.Unflatten(1, (c_in, h, w))]
+    for c in channels:
+        layers += [nn.Conv2d(c_in, c, 3, padding=1), NORMS[norm](c), nn.ReLU(), nn.MaxPool2d(2)]
+        c_in, h, w = c, h // 2, w // 2
+    layers += [nn.Flatten(), nn.Linear(c_in * h * w, hidden), nn.ReLU(), nn.Linear(hidden, classes)]
     return nn.Sequential(*layers)
 
 

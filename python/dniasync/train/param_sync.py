@@ -51,12 +51,14 @@ log = logging.getLogger("dniasync.train.param_sync")
 Clock = Callable[[], float]
 
 
-def make_optimizer(params: list[nn.Parameter], kind: str, lr: float, *, fused: bool = False) -> torch.optim.Optimizer:
-    """torch's Adam or SGD; ``fused``: its single-kernel Adam (same update, less time on small models)."""
+def make_optimizer(
+    params: list[nn.Parameter], kind: str, lr: float, *, fused: bool = False, momentum: float = 0.0
+) -> torch.optim.Optimizer:
+    """torch's Adam or SGD (``momentum``: SGD's); ``fused``: its single-kernel Adam (same update, less time on small models)."""
     if kind == "adam":
         return torch.optim.Adam(params, lr=lr, fused=fused or None)
     if kind == "sgd":
-        return torch.optim.SGD(params, lr=lr)
+        return torch.optim.SGD(params, lr=lr, momentum=momentum)
     raise ValueError(f"optimizer must be 'adam' or 'sgd', got {kind!r}")
 
 
@@ -252,8 +254,8 @@ class LocalOptimizer:
     bytes_pushed = 0
     bytes_pulled = 0
 
-    def __init__(self, params: Iterable[nn.Parameter], kind: str, lr: float) -> None:
-        self.optimizer = make_optimizer(list(params), kind, lr)
+    def __init__(self, params: Iterable[nn.Parameter], kind: str, lr: float, *, momentum: float = 0.0) -> None:
+        self.optimizer = make_optimizer(list(params), kind, lr, momentum=momentum)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

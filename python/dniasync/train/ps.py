@@ -16,7 +16,7 @@ import numpy as np
 from .. import _core
 from ..actors import Actor, handler
 from .compression import Codec, CompressedTensor, make_codec
-from .messages import Fence, Params, Pull, Push, ShardStats
+from .messages import Fence, Params, Pull, Push, ShardSnapshot, ShardStats, SnapshotShard
 from .specs import OptimizerSpec, ShardSpec
 from .staleness import PushLedger, PushVerdict, StalenessPolicy
 from .telemetry import track_ps_shard
@@ -54,6 +54,14 @@ class PSShard(Actor):
             self.codecs[codec.name] = make_codec(codec.name, self.n, tau=codec.tau, block=codec.block)  # type: ignore[arg-type]
         self.ledger = PushLedger()
         self.fenced: set[str] = set()
+        resume = spec.resume
+        if resume is not None:
+            for slot, values in enumerate(resume.state, start=1):
+                self.store.write(SEGMENT, np.ascontiguousarray(values, dtype=np.float32).reshape(-1), state=slot)
+            self.ledger = PushLedger.restore(resume.ledger)
+            self.fenced = set(resume.fenced)
+        # versions continue from the snapshot's: a restart never makes one go back
+        self._version_offset = (resume.version if resume is not None else 0) - self.store.version(SEGMENT)
         self.applied = 0
         self.rejected: dict[str, int] = {"stale": 0, "duplicate": 0, "zombie": 0, "nonfinite": 0, "bad_payload": 0}
         self.staleness_counts = [0] * (len(STALENESS_BUCKETS) + 1)
@@ -68,7 +76,7 @@ class PSShard(Actor):
 
     @property
     def version(self) -> int:
-        return self.store.version(SEGMENT)
+        return self.store.version(SEGMENT) + self._version_offset
 
     @handler
     def push(self, msg: Push) -> None:
@@ -117,10 +125,21 @@ class PSShard(Actor):
     @handler
     def pull(self, msg: Pull) -> Params:
         out = np.empty(self.n, dtype=np.float32)
-        version = self.store.read_into(SEGMENT, out)
+        version = self.store.read_into(SEGMENT, out) + self._version_offset
         self.bytes_out += int(out.nbytes)
         self.pulls += 1
         return Params(self.shard, version, out)
+
+    @handler
+    def snapshot(self, msg: SnapshotShard) -> ShardSnapshot:
+        values = np.empty(self.n, dtype=np.float32)
+        version = self.store.read_into(SEGMENT, values) + self._version_offset
+        state = []
+        for slot in range(1, self.store.state_slots + 1):
+            buffer = np.empty(self.n, dtype=np.float32)
+            self.store.read_into(SEGMENT, buffer, state=slot)
+            state.append(buffer)
+        return ShardSnapshot(self.shard, values, version, state, self.ledger.snapshot(), sorted(self.fenced))
 
     @handler
     def fence(self, msg: Fence) -> None:

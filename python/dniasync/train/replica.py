@@ -268,6 +268,7 @@ class Replica(Actor):
             self.name, self.incarnation, self.samples, self.steps, self._last_loss,
             [[c.shard, c.epoch, c.position] for c in self.cursors.values()],
             self.bytes_pushed, self.bytes_pulled, self.pushes, self.dense_bytes_pushed,
+            list(link.versions) if (link := self._link()) else [],
         )
         try:
             await self.coordinator.tell(progress)

@@ -28,6 +28,7 @@ __all__ = [
     "OptimizerSpec",
     "PSLinkSpec",
     "ReplicaSpec",
+    "ShardResume",
     "ShardSpec",
     "SharedStoreSpec",
     "StagesSpec",
@@ -110,10 +111,27 @@ class CodecSpec:
     block: int = 256
 
 
+@message("dniasync.train.ShardResume")
+@dataclass(frozen=True)
+class ShardResume:
+    """What a PS shard carries over a restart besides its parameters (see :class:`ShardSpec`)."""
+
+    version: int
+    """The version it continues from (never lower than any version it served before)."""
+    state: list[np.ndarray]
+    """The optimizer's state slots (Adagrad's accumulator, Adam's moments), in the store's order."""
+    ledger: dict[str, list[int]]
+    """replica -> [incarnation, seq] of the last push applied: pushes stay idempotent across the restart."""
+    fenced: list[str]
+
+
 @message("dniasync.train.ShardSpec")
 @dataclass(frozen=True)
 class ShardSpec:
-    """A PS shard: parameters ``[offset, offset + len(values))`` of the flat vector, and how it updates."""
+    """A PS shard: parameters ``[offset, offset + len(values))`` of the flat vector, and how it updates.
+
+    With ``resume`` it continues from a snapshot (a restart) instead of starting afresh.
+    """
 
     shard: int
     offset: int
@@ -122,6 +140,7 @@ class ShardSpec:
     codec: CodecSpec = field(default_factory=CodecSpec)
     staleness: str = "none"
     max_staleness: int = 0
+    resume: ShardResume | None = None
 
 
 @message("dniasync.train.PSLinkSpec")

@@ -26,6 +26,7 @@ from ...actors import ActorRef, Directive
 from ...train.data import DataCursor
 from ...train.messages import Params, Progress, Pull
 from ...train.specs import CodecSpec, ShardSpec, StagesSpec
+from .._schema import ConfigError
 from ..config import Config
 from ..plan import data_spec, model_spec, optimizer_spec
 from ..protocol import Assignment, JoinJob, NoJob, Ready
@@ -74,6 +75,7 @@ class PipelineJob:
         model = self.model_spec.build()
         assert isinstance(model, torch.nn.Sequential)  # checked when the config was resolved
         self.eval_model = model
+        self._check_stages(model)
         self.eval_parts = split_sequential(model, self.p.groups)
         self.eval_buffers = [flatten_parameters(part) for part in self.eval_parts]
         self.eval_flats = [FlatModel(part, buf) for part, buf in zip(self.eval_parts, self.eval_buffers)]
@@ -101,12 +103,24 @@ class PipelineJob:
 
         p, opt = self.p, self.config.optimizer
         settings = StageSettings(
-            rule=p.method, lr=opt.lr, optimizer="sgd" if opt.name == "sgd" else "adam",  # replicas: the PS applies it
-            num_classes=self.num_classes, cache_size=max(64, 2 * p.max_in_flight, 2 * p.micro_batches),
+            rule=p.method, lr=opt.lr, optimizer="sgd" if opt.name in ("sgd", "momentum") else "adam",  # replicas: the PS
+            momentum=opt.momentum if opt.name == "momentum" and p.replicas == 1 else 0.0,  # applies it
+            max_in_flight=p.max_in_flight, num_classes=self.num_classes, cache_size=max(64, 2 * p.max_in_flight, 2 * p.micro_batches),
             sg_hidden_layers=p.sg_hidden_layers, sg_hidden_width=p.sg_hidden_width, sg_lr=p.sg_lr,
             sg_fit_rows=p.sg_fit_rows, synthetic_inputs=p.synthetic_inputs,
         )
         return asdict(settings)
+
+    def _check_stages(self, model: torch.nn.Sequential) -> None:
+        """Probe the cut with the data's shape here, so a bad cut or layer fails the job at start, named."""
+        from ...train.pipeline import GroupConfigError, StageSettings, build_stages
+
+        try:
+            build_stages(model, self.p.groups, StageSettings(**self.stage_settings()), self.in_features)
+        except GroupConfigError as e:
+            raise ConfigError(f"'pipeline.groups': {e}", "pipeline.groups") from None
+        except ValueError as e:
+            raise ConfigError(f"'pipeline.method': {e}", "pipeline.method") from None
 
     def ps_shards(self) -> list[Any]:
         if self.p.replicas == 1:
@@ -277,6 +291,10 @@ class PipelineJob:
                 report.set_metric(f"{key}_address", s.address)
                 for name in ("steps", "sg_steps", "input_steps", "evictions", "late_gradients"):
                     report.set_metric(f"{key}_{name}", int(getattr(s, name)))
+                if s.stash_peak_bytes:
+                    report.set_metric(f"{key}_stash_peak_bytes", s.stash_peak_bytes)
+                if s.steps and not s.sg_steps and s.sg_staleness_total:  # real gradients: the stage's version gap
+                    report.set_metric(f"{key}_version_gap_mean", s.sg_staleness_total / s.steps)
                 if s.sg_steps:  # mean updates between a batch's forward and its SG fit
                     report.set_metric(f"{key}_sg_staleness_mean", s.sg_staleness_total / s.sg_steps)
                 if math.isfinite(s.input_loss):

@@ -3,9 +3,10 @@
 The model factory must return an ``nn.Sequential``; ``groups`` cuts it into
 stages, each hosted by a :class:`~dniasync.train.pipeline.Stage` actor in a
 worker process. ``method`` is the update rule every stage follows (DNI and
-cDNI: synthetic gradients; ``sync``: the synchronous GPipe-style baseline).
-With ``replicas = 1`` each stage trains with ``[optimizer]`` locally (``adam``
-or ``sgd``; ``lr`` only); with ``replicas > 1`` (DNI x Downpour) every stage
+cDNI: synthetic gradients; ``sync``: the synchronous GPipe-style baseline;
+``async``, ``stash``, ``spectrain``: asynchronous 1F1B pipelines with real
+gradients). With ``replicas = 1`` each stage trains with ``[optimizer]``
+locally (``adam``, ``sgd`` or ``momentum``; ``lr`` and ``momentum`` only); with ``replicas > 1`` (DNI x Downpour) every stage
 has one PS shard that applies ``[optimizer]`` to the pushes of its replicas.
 """
 
@@ -28,22 +29,27 @@ if TYPE_CHECKING:
 
 __all__ = ["PIPELINE", "PipelineConfig"]
 
-LOCAL_OPTIMIZERS = ("adam", "sgd")
-_SG_KEYS = ("synthetic_inputs", "sg_hidden_layers", "sg_hidden_width", "sg_lr", "sg_fit_rows", "max_in_flight")
+LOCAL_OPTIMIZERS = ("adam", "sgd", "momentum")
+_SG_KEYS = ("synthetic_inputs", "sg_hidden_layers", "sg_hidden_width", "sg_lr", "sg_fit_rows")
+_ASYNC_METHODS = ("dni", "cdni", "async", "stash", "spectrain")
 
 
 class PipelineConfig(Section, frozen=True):
     """The cut into stages, the update rule, SG models, placement, replicas (mode `pipeline`)."""
 
-    only_for = {**{key: ("method", ("dni", "cdni")) for key in _SG_KEYS}, "micro_batches": ("method", ("sync",))}
+    only_for = {**{key: ("method", ("dni", "cdni")) for key in _SG_KEYS}, "micro_batches": ("method", ("sync",)),
+                "max_in_flight": ("method", _ASYNC_METHODS)}
     renamed = {"variant": "method"}
 
     groups: Annotated[tuple[tuple[int, ...], ...], Meta(description=(
         "layer indices of the `nn.Sequential` per stage, e.g. `[[0, 1], [2, 3], [4]]`; contiguous, ordered, every "
         "layer in exactly one stage"))]
-    method: Annotated[Literal["cdni", "dni", "sync"], Meta(description=(
-        "`dni` (synthetic gradients), `cdni` (synthetic gradients conditioned on the labels) or `sync` (the "
-        "synchronous pipeline baseline: real backprop, GPipe-style micro-batches)"))] = "cdni"
+    method: Annotated[Literal["cdni", "dni", "sync", "async", "stash", "spectrain"], Meta(description=(
+        "`dni` (synthetic gradients), `cdni` (synthetic gradients conditioned on the labels), `sync` (the "
+        "synchronous pipeline baseline: real backprop, GPipe-style micro-batches), or an asynchronous 1F1B pipeline "
+        "with real gradients, each stage updating as a batch's gradient returns: `async` (no correction), `stash` "
+        "(PipeDream weight stashing) or `spectrain` (SpecTrain weight prediction; optimizer `momentum` or `adam`)"))
+    ] = "cdni"
     synthetic_inputs: Annotated[bool, Meta(description=(
         "stages after the first also learn to predict their input from the raw data"))] = False
     sg_hidden_layers: Annotated[int, Meta(ge=0, description="hidden layers of the SG model (0: linear)")] = 0
@@ -51,7 +57,8 @@ class PipelineConfig(Section, frozen=True):
     sg_lr: Annotated[float, Meta(gt=0.0, description="the SG model's Adam learning rate")] = 1e-4
     sg_fit_rows: Annotated[int, Meta(ge=0, description=(
         "fit the SG model on this many rows of each returning batch (0: all; at most data.batch_size)"))] = 0
-    max_in_flight: Annotated[int, Meta(ge=1, description="mini-batches in a DNI pipeline at once")] = 4
+    max_in_flight: Annotated[int, Meta(ge=1, description=(
+        "mini-batches in an asynchronous pipeline (DNI, async, stash, spectrain) at once"))] = 4
     micro_batches: Annotated[int, Meta(ge=1, description="`sync` only: micro-batches per mini-batch")] = 4
     replicas: Annotated[int, Meta(ge=1, description=(
         "pipelines, each on its own data shard; more than one is DNI x Downpour"))] = 1
@@ -123,16 +130,22 @@ class _Pipeline:
         if opt.clip_norm is not None:
             raise ConfigError("'optimizer.clip_norm' does not apply in mode 'pipeline'", "optimizer.clip_norm")
         if p.replicas > 1:
+            if p.method == "spectrain":
+                raise ConfigError("'pipeline.method' spectrain predicts from each stage's own optimizer: it needs "
+                                  "pipeline.replicas = 1", "pipeline.method")
             return
-        # each stage steps its own torch optimizer: only its name and lr apply
+        # each stage steps its own torch optimizer: only its name, lr and (SGD's) momentum apply
         if opt.name not in LOCAL_OPTIMIZERS:
             raise ConfigError(
-                f"'optimizer.name' is {opt.name!r}; stages train with {' or '.join(map(repr, LOCAL_OPTIMIZERS))} "
+                f"'optimizer.name' is {opt.name!r}; stages train with {', '.join(map(repr, LOCAL_OPTIMIZERS))} "
                 "(any optimizer with pipeline.replicas > 1, where PS shards apply it)", "optimizer.name")
-        for key in ("momentum", "weight_decay", "betas", "eps"):
+        if p.method == "spectrain" and opt.name == "sgd":
+            raise ConfigError("'optimizer.name' is 'sgd'; spectrain predicts with the momentum: use 'momentum' "
+                              "(SGD with momentum, as in the paper) or 'adam'", "optimizer.name")
+        for key in ("weight_decay", "betas", "eps"):
             if key in given:
                 raise ConfigError(f"'optimizer.{key}' does not apply in mode 'pipeline' with pipeline.replicas = 1 "
-                                  "(stages use the optimizer's name and lr only)", f"optimizer.{key}")
+                                  "(stages use the optimizer's name, lr and momentum only)", f"optimizer.{key}")
 
     def resolve(self, config: Config, model: nn.Module) -> None:
         from torch import nn

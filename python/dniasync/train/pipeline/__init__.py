@@ -4,8 +4,9 @@
 - :class:`Stage` (:mod:`.stage`) is the one stage actor: layers, wiring,
   caches, counters; it never knows which paper it implements;
 - :mod:`.rules` holds the update rules, chosen by name (:func:`get_rule`):
-  ``dni``/``cdni`` (synthetic gradients, :mod:`.synthetic`) and ``sync``
-  (GPipe); a stage steps its weights through a
+  ``dni``/``cdni`` (synthetic gradients, :mod:`.synthetic`), ``sync``
+  (GPipe) and the asynchronous real-gradient pipelines ``async``, ``stash``
+  (PipeDream) and ``spectrain`` (:mod:`.rules.real`); a stage steps its weights through a
   :class:`~dniasync.train.param_sync.ParamSync` (local, or PS shards);
 - :class:`PipelineDriver` (:mod:`.driver`) feeds the first stage as its
   :class:`Schedule` says, evaluates, drains and rewires;
@@ -14,7 +15,7 @@
 """
 
 from .baseline import evaluate_model, run_pipeline, spawn_stages, train_backprop
-from .cut import GroupConfigError, StageSpec, build_stages, split_sequential, validate_groups
+from .cut import GroupConfigError, StageSpec, build_stages, probe_shapes, split_sequential, validate_groups
 from .driver import EvalPoint, PipelineBroken, PipelineDriver, PipelineMonitor, TrainResult
 from .protocol import (
     Connect,
@@ -72,6 +73,7 @@ __all__ = [
     "UpdateRule",
     "batch_order",
     "build_stages",
+    "probe_shapes",
     "evaluate_model",
     "get_rule",
     "make_rule",

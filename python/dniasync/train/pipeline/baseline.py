@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +74,7 @@ async def run_pipeline(
     applies to a flushing rule only.
     """
     schedule = Schedule.for_rule(settings.rule, max_in_flight=max_in_flight, micro_batches=micro_batches)
+    settings = replace(settings, max_in_flight=max_in_flight)  # SpecTrain's prior version gap
     async with ActorSystem() as system:
         refs = await spawn_stages(
             system, model, groups, settings, int(x.shape[1]), seed=seed, mailbox_size=schedule.stage_mailbox_size()
@@ -114,6 +116,7 @@ def train_backprop(
     seed: int = 0,
     lr: float = 1e-3,
     optimizer: str = "adam",
+    momentum: float = 0.0,
     eval_x: torch.Tensor | None = None,
     eval_y: torch.Tensor | None = None,
     evals_per_epoch: int = 1,
@@ -123,7 +126,7 @@ def train_backprop(
     Same batch order as :class:`PipelineDriver` for the same ``seed``.
     """
     params = list(model.parameters())
-    opt = make_optimizer(params, optimizer, lr)
+    opt = make_optimizer(params, optimizer, lr, momentum=momentum)
     n = int(x.shape[0])
     eval_every = max(1, math.ceil(n / batch_size) // max(1, evals_per_epoch))
     history: list[EvalPoint] = []

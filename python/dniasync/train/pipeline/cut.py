@@ -7,6 +7,7 @@ a :class:`~dniasync.train.pipeline.stage.Stage` is spawned with.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from torch import nn
 from .rules import get_rule
 from .settings import StageSettings, StageShape
 
-__all__ = ["GroupConfigError", "StageSpec", "build_stages", "split_sequential", "validate_groups"]
+__all__ = ["GroupConfigError", "StageSpec", "build_stages", "probe_shapes", "split_sequential", "validate_groups"]
 
 
 class GroupConfigError(ValueError):
@@ -73,12 +74,49 @@ def split_sequential(model: nn.Sequential, groups: Sequence[Sequence[int]]) -> l
     return [nn.Sequential(*(layers[i] for i in group)) for group in checked]
 
 
-def _output_features(module: nn.Module, in_features: int) -> int:
-    with torch.no_grad():
-        out = module(torch.zeros(1, in_features))
-    if out.dim() != 2:
-        raise GroupConfigError(f"a layer group must output (batch, features), got shape {tuple(out.shape)}")
-    return int(out.shape[1])
+def _describe(index: int, layer: nn.Module) -> str:
+    return f"layer {index} ({type(layer).__name__})"
+
+
+# layers whose output is not a function of their input and weights: a rule that recomputes the forward at
+# backward time (async, spectrain) would back-propagate through another function than the one that went forward
+_RANDOM_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def probe_shapes(model: nn.Sequential, in_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    """The per-sample output shape of every layer of ``model`` fed ``(batch, *in_shape)`` zeros.
+
+    Raises :class:`GroupConfigError` naming the first layer that cannot take
+    its input (a wrong width, a missing Flatten, ...) or gives no tensor.
+    """
+    shapes = []
+    x = torch.zeros(2, *in_shape)
+    was_training = model.training
+    model.eval()  # normalisation layers: no running statistics touched by the probe
+    try:
+        with torch.no_grad():
+            for i, layer in enumerate(model):
+                try:
+                    out = layer(x)
+                except Exception as exc:  # any failure of a layer on this shape is a bad model or cut
+                    raise GroupConfigError(
+                        f"{_describe(i, layer)} cannot take activations of shape {tuple(x.shape[1:])}: {exc}"
+                    ) from None
+                if not isinstance(out, torch.Tensor):
+                    raise GroupConfigError(
+                        f"{_describe(i, layer)} is not supported in a pipeline: it returns a {type(out).__name__}, "
+                        "not one tensor"
+                    )
+                if out.dim() < 2 or out.shape[0] != 2:
+                    raise GroupConfigError(
+                        f"{_describe(i, layer)} is not supported in a pipeline: it does not keep the batch "
+                        f"dimension (output shape {tuple(out.shape)} for a batch of 2)"
+                    )
+                shapes.append(tuple(int(d) for d in out.shape[1:]))
+                x = out
+    finally:
+        model.train(was_training)
+    return shapes
 
 
 @dataclass
@@ -97,22 +135,47 @@ def build_stages(
     model: nn.Sequential,
     groups: Sequence[Sequence[int]],
     settings: StageSettings,
-    in_features: int,
+    in_features: int | Sequence[int],
     *,
     seed: int = 0,
 ) -> list[StageSpec]:
     """Cut ``model`` and describe each stage.
 
-    Raises :class:`GroupConfigError` for a bad cut, ``ValueError`` for settings
-    the update rule cannot train with (or an unknown rule).
+    ``in_features``: one sample's input size, or its shape. Every layer is
+    probed with that shape, so activations of any shape (convolutional
+    stages) are described; the last stage must give ``(batch, classes)``.
+    Raises :class:`GroupConfigError` for a bad cut or an unsupported layer,
+    naming it, ``ValueError`` for settings the update rule cannot train with
+    (or an unknown rule).
     """
-    get_rule(settings.rule).check(settings)
-    parts = split_sequential(model, groups)
+    rule = get_rule(settings.rule)
+    rule.check(settings)
+    checked = validate_groups(groups, len(model))
+    in_shape = (in_features,) if isinstance(in_features, int) else tuple(in_features)
+    raw = math.prod(in_shape)
+    shapes = probe_shapes(model, in_shape)
+    if len(shapes[-1]) != 1:
+        raise GroupConfigError(
+            f"{_describe(len(model) - 1, model[-1])} is the last layer: it must give (batch, classes) logits, "
+            f"got per-sample shape {shapes[-1]} (a Flatten and a Linear are missing)"
+        )
+    if rule.recomputes:
+        for i, layer in enumerate(model):
+            if isinstance(layer, _RANDOM_LAYERS):
+                raise GroupConfigError(
+                    f"{_describe(i, layer)} is not supported by the rule {settings.rule!r}: it recomputes a batch's "
+                    "forward for its backward, and a random layer would give another function"
+                )
     specs = []
-    features = in_features
-    for k, part in enumerate(parts):
-        out = _output_features(part, features)
-        shape = StageShape(features, out, in_features, k == len(parts) - 1, seed + 1000 * k)
-        specs.append(StageSpec(part, settings, shape))
-        features = out
+    shape_in = in_shape
+    layers = list(model)
+    for k, group in enumerate(checked):
+        shape_out = shapes[group[-1]]
+        shape = StageShape(
+            math.prod(shape_in), math.prod(shape_out), raw, k == len(checked) - 1, seed + 1000 * k,
+            in_shape=shape_in if len(shape_in) > 1 else (), out_shape=shape_out if len(shape_out) > 1 else (),
+            index=k, stages=len(checked),
+        )
+        specs.append(StageSpec(nn.Sequential(*(layers[i] for i in group)), settings, shape))
+        shape_in = shape_out
     return specs

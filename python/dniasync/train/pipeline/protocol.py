@@ -152,6 +152,10 @@ class StageStats:
     """Payload bytes of the gradients this stage pushed to its PS shards (replicated stages; else 0)."""
     bytes_pulled: int = 0
     """Payload bytes of the parameters this stage pulled from its PS shards."""
+    stash_bytes: int = 0
+    """Bytes of weight versions stashed for batches in flight now (rule ``stash``; else 0)."""
+    stash_peak_bytes: int = 0
+    """... and at most so far."""
 
 
 @message("dniasync.dni.StateRequest")

@@ -14,10 +14,18 @@ class StageSettings:
 
     ``rule`` names the update rule (see :func:`~dniasync.train.pipeline.rules.get_rule`):
     ``"dni"`` (update at once from a synthetic gradient), ``"cdni"`` (the same,
-    the SG model conditioned on the labels) or ``"sync"`` (the synchronous
-    pipeline: wait for the true gradient, GPipe-style micro-batches).
+    the SG model conditioned on the labels), ``"sync"`` (the synchronous
+    pipeline: wait for the true gradient, GPipe-style micro-batches), or one of
+    the asynchronous pipelines with real gradients (1F1B, many batches in
+    flight, each stage updates when a batch's gradient returns): ``"async"``
+    (no correction), ``"stash"`` (PipeDream weight stashing) and
+    ``"spectrain"`` (SpecTrain weight prediction).
     ``cache_size`` bounds the batches a stage keeps while their gradient is on
-    its way back (DNI: outputs for SG training; sync: graphs).
+    its way back (DNI: outputs for SG training; sync: graphs; async, stash and
+    spectrain: inputs, and stash its weight versions).
+    ``momentum``: SGD's momentum (SpecTrain predicts with the momentum buffer).
+    ``max_in_flight``: the batches the driver keeps in flight, SpecTrain's prior
+    for a stage's version gap until it has measured it.
 
     The ``sg_*``, ``synthetic_inputs`` and ``input_lr`` options belong to the
     synthetic-gradient rules. ``synthetic_inputs``: stages after the first also
@@ -32,6 +40,8 @@ class StageSettings:
     rule: str = "dni"
     lr: float = 1e-3
     optimizer: Literal["adam", "sgd"] = "adam"
+    momentum: float = 0.0
+    max_in_flight: int = 1
     num_classes: int = 10
     cache_size: int = 64
     trace: bool = False
@@ -52,16 +62,40 @@ class StageSettings:
             raise ValueError("sg_hidden_layers, sg_hidden_width and sg_fit_rows must be >= 0")
         if self.send_timeout_s <= 0:
             raise ValueError(f"send_timeout_s must be > 0, got {self.send_timeout_s}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if self.cache_size < 1:
             raise ValueError(f"cache_size must be >= 1, got {self.cache_size}")
 
 
 @dataclass(frozen=True)
 class StageShape:
-    """Where a stage sits: its input and output widths, the raw input's, whether it is last, its seed."""
+    """Where a stage sits: its input and output sizes, the raw input's, whether it is last, its seed.
+
+    ``in_features`` and ``out_features`` count the values of one sample's
+    activations; ``in_shape`` and ``out_shape`` give their shape without the
+    batch dimension (``()``: flat, ``(features,)``). ``index`` of ``stages``:
+    the stage's place in its pipeline.
+    """
 
     in_features: int
     out_features: int
     raw_features: int
     last: bool
     seed: int = 0
+    in_shape: tuple[int, ...] = ()
+    out_shape: tuple[int, ...] = ()
+    index: int = 0
+    stages: int = 1
+
+    @property
+    def in_dims(self) -> tuple[int, ...]:
+        """One sample's input shape (``(in_features,)`` when flat)."""
+        return self.in_shape or (self.in_features,)
+
+    @property
+    def out_dims(self) -> tuple[int, ...]:
+        """One sample's output shape (``(out_features,)`` when flat)."""
+        return self.out_shape or (self.out_features,)

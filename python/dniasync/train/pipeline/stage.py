@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import TypeVar
 
 import torch
@@ -43,6 +44,7 @@ from .protocol import (
     TraceRequest,
 )
 from .rules import Kept, Outcome, UpdateRule, make_rule
+from .rules.real import forward_with
 from .settings import StageSettings, StageShape
 
 __all__ = ["Stage"]
@@ -87,7 +89,9 @@ class Stage(Actor):
         if self.rule.urgent_gradients:
             self.urgent_messages = (Gradient,)
         self.params: ParamSync = (
-            params if params is not None else LocalOptimizer(layers.parameters(), settings.optimizer, settings.lr)
+            params
+            if params is not None
+            else LocalOptimizer(layers.parameters(), settings.optimizer, settings.lr, momentum=settings.momentum)
         )
         self.sg = self.rule.sg
         self.upstream: ActorRef | None = None
@@ -173,10 +177,21 @@ class Stage(Actor):
         return part == 1, part >= parts
 
     # -- torch work (runs on a blocking thread) ------------------------------------
-    def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(
+        self, x: torch.Tensor, weights: Mapping[str, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         h_in = x.detach().requires_grad_(self.upstream is not None)
-        h_out: torch.Tensor = self.layers(h_in)
-        return h_in, h_out
+        return h_in, forward_with(self.layers, weights, h_in)
+
+    def step_with(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Step the layers with these gradients (by parameter name), as :meth:`backward` with ``step`` would."""
+        self.params.zero_grad()
+        for name, p in self.layers.named_parameters():
+            g = grads.get(name)
+            if g is not None:
+                p.grad = g.detach()
+        self.params.step()
+        self.steps += 1
 
     def backward(
         self, h_in: torch.Tensor, h_out: torch.Tensor, grad: torch.Tensor, *, zero: bool, step: bool
@@ -222,7 +237,8 @@ class Stage(Actor):
         started = time.perf_counter()
         self.trace("forward", b)
         await self.rule.before_forward(self, msg)
-        h_in, h_out = await self.run_blocking(self._forward, msg.activations)
+        weights = await self.rule.forward_weights(self, msg)
+        h_in, h_out = await self.run_blocking(self._forward, msg.activations, weights)
         if self.last:
             await self._loss_step(msg, h_in, h_out)
         else:
@@ -304,6 +320,7 @@ class Stage(Actor):
             self.staleness_sum,
             self.params.bytes_pushed,
             self.params.bytes_pulled,
+            *self.rule.stash_bytes(),
         )
 
     @handler

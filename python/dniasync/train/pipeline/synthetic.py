@@ -17,6 +17,27 @@ from ..param_sync import make_optimizer
 __all__ = ["SyntheticGradient", "SyntheticInput"]
 
 
+class _ConvSG(nn.Module):
+    """A small conv net from ``(C + K, H, W)`` to ``(C, H, W)``: ``hidden_layers`` 3x3 ReLU convs of ``width`` channels.
+
+    cDNI's labels come in as ``K`` one-hot planes (constant over the image).
+    """
+
+    def __init__(self, channels: int, num_classes: int, hidden_layers: int, width: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        c = channels + num_classes
+        for _ in range(hidden_layers):
+            layers += [nn.Conv2d(c, width, 3, padding=1), nn.ReLU()]
+            c = width
+        layers.append(nn.Conv2d(c, channels, 3, padding=1))
+        self.body = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.body(x)
+        return out
+
+
 def _mlp(in_features: int, out_features: int, hidden_layers: int, width: int) -> nn.Sequential:
     layers: list[nn.Module] = []
     d = in_features
@@ -30,7 +51,7 @@ def _mlp(in_features: int, out_features: int, hidden_layers: int, width: int) ->
 class _Regressor(nn.Module):
     """A small MLP fitted by MSE with its own optimizer; records its losses."""
 
-    def __init__(self, net: nn.Sequential, lr: float, optimizer: str, history: int) -> None:
+    def __init__(self, net: nn.Module, lr: float, optimizer: str, history: int) -> None:
         super().__init__()
         self.net = net
         # an SG or input model is DNI's own overhead: its Adam runs fused (the layers' optimizer is torch's default,
@@ -65,7 +86,10 @@ class SyntheticGradient(_Regressor):
 
     ``hidden_layers`` ReLU layers of ``hidden_width`` units (0 hidden layers:
     linear); with ``num_classes > 0`` the labels, one-hot, are appended to ``h``
-    (cDNI). The output layer is zero-initialised, so before any training the
+    (cDNI). For activations of shape ``(C, H, W)`` (``shape``, a conv stage)
+    it is a small conv net instead (:class:`_ConvSG`, ``hidden_width``
+    channels, default ``C``), cDNI's labels given as one-hot planes; other
+    shapes are flattened for the MLP. The output layer is zero-initialised, so before any training the
     synthetic gradient is exactly zero. Trained by :meth:`fit` (MSE, its own
     optimizer) on the gradient that arrives later from downstream.
     """
@@ -80,32 +104,45 @@ class SyntheticGradient(_Regressor):
         lr: float = 1e-4,
         optimizer: str = "adam",
         history: int = 10_000,
+        shape: tuple[int, ...] = (),
     ) -> None:
-        net = _mlp(features + num_classes, features, hidden_layers, hidden_width or features)
-        last = net[-1]
-        assert isinstance(last, nn.Linear)
+        self.conv = len(shape) == 3
+        net: nn.Module
+        if self.conv:
+            net = _ConvSG(shape[0], num_classes, hidden_layers, hidden_width or shape[0])
+            last: nn.Module = net.body[-1]
+        else:
+            net = _mlp(features + num_classes, features, hidden_layers, hidden_width or features)
+            last = net[-1]
+        assert isinstance(last, nn.Linear | nn.Conv2d)
         nn.init.zeros_(last.weight)
+        assert last.bias is not None
         nn.init.zeros_(last.bias)
         super().__init__(net, lr, optimizer, history)
         self.features = features
         self.num_classes = num_classes
 
     def _inputs(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        if not self.conv:
+            h = h.flatten(1)
         if not self.num_classes:
             return h
         if labels is None:
             raise ValueError("a label-conditioned synthetic gradient (cDNI) needs the labels")
         onehot = F.one_hot(labels.long(), self.num_classes).to(h.dtype)
+        if self.conv:  # one constant plane per class
+            onehot = onehot[:, :, None, None].expand(-1, -1, h.shape[2], h.shape[3])
         return torch.cat([h, onehot], dim=1)
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """The synthetic gradient for activations ``h`` (shape of ``h``)."""
         out: torch.Tensor = self.net(self._inputs(h, labels))
-        return out
+        return out.view_as(h)
 
     def fit(self, h: torch.Tensor, labels: torch.Tensor | None, target: torch.Tensor) -> float:
         """One optimizer step of MSE regression of ``M(h)`` onto ``target``; returns the loss."""
-        return self._fit(self._inputs(h.detach(), labels), target)
+        x = self._inputs(h.detach(), labels)
+        return self._fit(x, target if self.conv else target.flatten(1))
 
 
 class SyntheticInput(_Regressor):

@@ -13,16 +13,20 @@ from ..settings import StageSettings, StageShape
 from .base import NOTHING, Kept, Outcome, StageContext, UpdateRule
 from .dni import CDNIRule, DNIRule
 from .gpipe import GPipeRule
+from .real import AsyncRule, SpecTrainRule, StashRule
 
 __all__ = [
     "NOTHING",
     "RULES",
+    "AsyncRule",
     "CDNIRule",
     "DNIRule",
     "GPipeRule",
     "Kept",
     "Outcome",
+    "SpecTrainRule",
     "StageContext",
+    "StashRule",
     "UpdateRule",
     "get_rule",
     "make_rule",
@@ -32,6 +36,9 @@ RULES: Final[dict[str, type[UpdateRule]]] = {
     "dni": DNIRule,
     "cdni": CDNIRule,
     "sync": GPipeRule,
+    "async": AsyncRule,
+    "stash": StashRule,
+    "spectrain": SpecTrainRule,
 }
 
 

@@ -3,8 +3,9 @@
 A :class:`~dniasync.train.pipeline.stage.Stage` handles the messages; at
 three points of a batch's life it asks its rule what to do:
 
-- :meth:`UpdateRule.before_forward`: which weights the batch meets (a rule may
-  swap in stashed or predicted weights here, or train on what arrived first);
+- :meth:`UpdateRule.before_forward`: what to do before the batch's forward
+  (train on what arrived first); :meth:`UpdateRule.forward_weights`: which
+  weights it meets (the layers' own, or stashed or predicted ones);
 - :meth:`UpdateRule.after_forward` (stages with a downstream): update now, or
   keep what the batch's returning gradient will need;
 - :meth:`UpdateRule.on_gradient`: the batch's true gradient is back.
@@ -17,13 +18,14 @@ the true gradient at once (micro-batches of one step are accumulated).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 from torch import nn
 
+from ...param_sync import ParamSync
 from ..protocol import Forward, Gradient, RawInput
 from ..settings import StageSettings, StageShape
 from ..synthetic import SyntheticGradient, SyntheticInput
@@ -73,6 +75,9 @@ class StageContext(Protocol):
     layers: nn.Sequential
     last: bool
     steps: int
+    params: ParamSync
+    upstream: Any
+    """The stage upstream (None: the first stage, whose input needs no gradient)."""
 
     def trace(self, event: str, batch_id: int) -> None: ...
 
@@ -95,6 +100,10 @@ class StageContext(Protocol):
         """Back-propagate ``weight`` times the cross-entropy; (``dL/dh_in``, loss, correct predictions)."""
         ...
 
+    def step_with(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Step the layers with these gradients (by parameter name), as :meth:`backward` with ``step`` would."""
+        ...
+
     async def run_blocking(self, func: Callable[..., R], *args: Any, **kwargs: Any) -> R: ...
 
 
@@ -110,6 +119,8 @@ class UpdateRule:
 
     flush: ClassVar[bool] = False
     urgent_gradients: ClassVar[bool] = False
+    recomputes: ClassVar[bool] = False
+    """The rule runs a batch's forward again for its backward (layers must be deterministic)."""
 
     def __init__(self, settings: StageSettings, shape: StageShape) -> None:
         self.check(settings)
@@ -128,6 +139,14 @@ class UpdateRule:
 
     async def before_forward(self, stage: StageContext, msg: Forward) -> None:
         """Before the batch's forward: set the weights it meets."""
+
+    async def forward_weights(self, stage: StageContext, msg: Forward) -> Mapping[str, torch.Tensor] | None:
+        """The weights (by parameter name) the batch's forward meets; None: the layers' own."""
+        return None
+
+    def stash_bytes(self) -> tuple[int, int]:
+        """Bytes of weight versions the rule holds for batches in flight: (now, peak)."""
+        return 0, 0
 
     async def after_forward(
         self, stage: StageContext, msg: Forward, h_in: torch.Tensor, h_out: torch.Tensor

@@ -49,6 +49,7 @@ class DNIRule(UpdateRule):
                     hidden_width=settings.sg_hidden_width,
                     lr=settings.sg_lr,
                     optimizer=settings.optimizer,
+                    shape=shape.out_shape,
                 )
         self._raw: OrderedDict[int, torch.Tensor] = OrderedDict()
 
@@ -72,7 +73,7 @@ class DNIRule(UpdateRule):
         if self.input_model is not None:
             raw = self._raw.pop(msg.batch_id, None)
             if raw is not None:  # the real input is the input model's target
-                await stage.run_blocking(self.input_model.fit, raw, msg.activations)
+                await stage.run_blocking(self.input_model.fit, raw, msg.activations.flatten(1))
 
     async def after_forward(
         self, stage: StageContext, msg: Forward, h_in: torch.Tensor, h_out: torch.Tensor
@@ -107,7 +108,7 @@ class DNIRule(UpdateRule):
     def _synthetic_input_step(self, stage: StageContext, x: torch.Tensor, labels: torch.Tensor) -> None:
         assert self.input_model is not None
         with torch.no_grad():
-            h_in = self.input_model(x)
+            h_in = self.input_model(x).view(-1, *self.shape.in_dims)
         h_out: torch.Tensor = stage.layers(h_in)
         if stage.last:
             stage.loss_backward(h_in, h_out, labels, 1.0, zero=True, step=True)
