@@ -101,7 +101,7 @@ def test_former_dni_mode_names_point_to_pipeline() -> None:
         ("pipeline.placement", [0, 1], "pipeline.placement", "2 entries for 3 groups"),
         ("pipeline.placement", [0, 2, 2], "pipeline.placement", r"leaves workers \[1\] without a group"),
         ("pipeline.placement", [0, -1, 1], "pipeline.placement", ">= 0"),
-        ("optimizer.name", "adagrad", "optimizer.name", "stages train with 'adam' or 'sgd'"),
+        ("optimizer.name", "adagrad", "optimizer.name", "stages train with 'adam', 'sgd', 'momentum'"),
         ("optimizer.clip_norm", 1.0, "optimizer.clip_norm", "does not apply in mode 'pipeline'"),
         ("optimizer.weight_decay", 0.1, "optimizer.weight_decay", "does not apply in mode 'pipeline' with pipeline.replicas = 1"),
         ("model", {"factory": "torch.nn:Identity"}, "model.factory", "returns a Identity; mode 'pipeline' cuts an nn.Sequential"),

@@ -1,0 +1,281 @@
+"""Asynchronous pipelines with real gradients (1F1B): a stage updates as soon as a batch's true gradient is back.
+
+Many batches are in flight and no stage waits, so between a batch's forward
+at a stage and its backward there the stage updates ``gap`` times (its
+*version gap*; the stage counts it for every batch as its staleness). The
+rules differ in the weights a batch meets:
+
+- ``async`` (:class:`AsyncRule`): no correction. The forward meets the
+  weights of its moment; the backward (the forward run again on the kept
+  input) those of the gradient's return: the gradient of another function
+  than the one that went forward.
+- ``stash`` (:class:`StashRule`, PipeDream's weight stashing, Narayanan et al.
+  2019): the weights the forward met are kept, one copy per weight version
+  shared by the batches that met it, and the batch's own graph is
+  back-propagated: a consistent but stale gradient, applied to the current
+  weights. The copies cost memory, reported per stage.
+- ``spectrain`` (:class:`SpecTrainRule`, Chen et al. 2018): the forward meets
+  the weights predicted for its gradient's return, ``Ŵ = W − s·lr·v``; the
+  backward meets the current weights.
+
+SpecTrain's version gap, here. A stage steps the moment a gradient is back,
+so the backward's gap is 0 (the reference implementation's ``⌊r/2⌋`` for the
+backward, and the same term in its forward gap ``⌊r/2⌋ + N − r − 1``, count
+the round-robin delay of its own schedule before an update lands, which this
+pipeline does not have). The forward's gap is the number of updates the stage
+makes while the batch is downstream: ``s`` is the mean gap the stage measured
+over its last :data:`GAP_WINDOW` batches, so it follows the in-flight count
+the driver actually runs (``max_in_flight``) and where the queues form. Until
+a gap is measured it is the 1F1B count: ``W − 1`` at the first stage (the
+driver admits a batch when one of the ``W`` finished, and the first stage is
+the last to finish with each), ``min(W − 1, N − r − 1)`` at stage ``r`` of
+``N``, 0 at the last (its loss gives the gradient at once).
+
+``v``: with SGD, torch's momentum buffer (``buf = μ·buf + g``; each step
+moves ``lr·buf``, so ``s`` steps move about ``s·lr·buf``: the paper's
+smoothed gradient in torch's convention). With Adam, the current Adam step
+direction ``m̂ / (√v̂ + ε)`` (our extension; the paper predicts for momentum
+SGD only).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import ClassVar, Final
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ...param_sync import LocalOptimizer
+from ..protocol import Forward, Gradient
+from ..settings import StageSettings, StageShape
+from .base import Kept, Outcome, StageContext, UpdateRule
+
+__all__ = ["GAP_WINDOW", "AsyncRule", "SpecTrainRule", "StashRule", "predict_weights", "prior_gap"]
+
+GAP_WINDOW: Final = 32
+"""SpecTrain predicts with the mean version gap of this many recent batches."""
+
+
+@contextmanager
+def _frozen_running_stats(layers: nn.Module) -> Iterator[None]:
+    """Normalisation layers use their batch statistics but leave the running ones alone (a recomputed forward)."""
+    norms = [m for m in layers.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone()) for m in norms]
+    for m in norms:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m, (momentum, tracked) in zip(norms, saved):
+            m.momentum = momentum
+            if tracked is not None and m.num_batches_tracked is not None:
+                m.num_batches_tracked.copy_(tracked)
+
+
+def _input(stage: StageContext, h_in: torch.Tensor) -> torch.Tensor:
+    return h_in.detach().requires_grad_(stage.upstream is not None)
+
+
+class _RealGradientRule(UpdateRule):
+    """Keep what the batch's backward needs; back-propagate its true gradient and step at once (1F1B)."""
+
+    # 1F1B: a returning gradient goes before the forwards queued at the stage
+    urgent_gradients: ClassVar[bool] = True
+
+    @classmethod
+    def check(cls, settings: StageSettings) -> None:
+        if settings.synthetic_inputs:
+            raise ValueError("synthetic inputs need the rule 'dni' or 'cdni'")
+
+    async def after_forward(
+        self, stage: StageContext, msg: Forward, h_in: torch.Tensor, h_out: torch.Tensor
+    ) -> Outcome:
+        # the input only: the weights will have moved when the gradient is back, the forward runs again
+        return Outcome(keep=Kept(h_in.detach(), h_out.detach(), msg.labels, msg.step_id, msg.parts, stage.steps))
+
+    async def on_gradient(self, stage: StageContext, kept: Kept, msg: Gradient) -> Outcome:
+        assert kept.h_in is not None
+        grad_in = await stage.run_blocking(self._recompute_backward, stage, kept.h_in, msg.gradient)
+        return Outcome("update", upstream=grad_in, done=True)
+
+    @staticmethod
+    def _recompute_backward(stage: StageContext, h_in: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+        """The forward again on the current weights, back-propagated and stepped."""
+        x = _input(stage, h_in)
+        with _frozen_running_stats(stage.layers):
+            out: torch.Tensor = stage.layers(x)
+        return stage.backward(x, out, grad, zero=True, step=True)
+
+
+class AsyncRule(_RealGradientRule):
+    """No correction: forward on the weights of its moment, backward on those of the gradient's return."""
+
+    recomputes: ClassVar[bool] = True
+
+
+class StashRule(_RealGradientRule):
+    """PipeDream weight stashing: a batch's backward runs on the very weights (and graph) of its forward.
+
+    One copy per weight version, shared by every batch that met it, freed when
+    the last of them is back. :meth:`stash_bytes` gives the bytes held now and
+    at most so far.
+    """
+
+    def __init__(self, settings: StageSettings, shape: StageShape) -> None:
+        super().__init__(settings, shape)
+        self._current: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._versions: dict[int, tuple[dict[str, torch.Tensor], int]] = {}
+        """version -> (its weights, batches that met it and are not back)"""
+        self._batch_version: dict[int, int] = {}
+        self._bytes = 0
+        self._peak_bytes = 0
+
+    async def forward_weights(self, stage: StageContext, msg: Forward) -> Mapping[str, torch.Tensor] | None:
+        if stage.last:  # its loss gives the gradient at once: no version gap
+            return None
+        version = stage.steps
+        if self._current is None or self._current[0] != version:
+            with torch.no_grad():
+                weights = {n: p.detach().clone().requires_grad_(True) for n, p in stage.layers.named_parameters()}
+            self._current = (version, weights)
+        weights = self._current[1]
+        held, users = self._versions.get(version, (weights, 0))
+        if users == 0:
+            self._bytes += sum(t.numel() * t.element_size() for t in held.values())
+            self._peak_bytes = max(self._peak_bytes, self._bytes)
+        self._versions[version] = (held, users + 1)
+        self._batch_version[msg.batch_id] = version
+        return held
+
+    def stashed(self, batch_id: int) -> Mapping[str, torch.Tensor]:
+        """The weights batch ``batch_id``'s forward met (while its gradient is on its way)."""
+        return self._versions[self._batch_version[batch_id]][0]
+
+    def _release(self, batch_id: int) -> None:
+        version = self._batch_version.pop(batch_id, None)
+        if version is None:
+            return
+        held, users = self._versions[version]
+        if users > 1:
+            self._versions[version] = (held, users - 1)
+            return
+        del self._versions[version]
+        self._bytes -= sum(t.numel() * t.element_size() for t in held.values())
+
+    def stash_bytes(self) -> tuple[int, int]:
+        return self._bytes, self._peak_bytes
+
+    async def after_forward(
+        self, stage: StageContext, msg: Forward, h_in: torch.Tensor, h_out: torch.Tensor
+    ) -> Outcome:
+        # the graph itself: it holds the stashed weights, which no step touches
+        return Outcome(keep=Kept(h_in, h_out, msg.labels, msg.step_id, msg.parts, stage.steps))
+
+    async def on_gradient(self, stage: StageContext, kept: Kept, msg: Gradient) -> Outcome:
+        assert kept.h_in is not None
+        weights = self.stashed(kept_batch := msg.batch_id)
+        grad_in = await stage.run_blocking(self._stashed_backward, stage, kept, weights, msg.gradient)
+        self._release(kept_batch)
+        return Outcome("update", upstream=grad_in, done=True)
+
+    def on_late_gradient(self, batch_id: int) -> Outcome:
+        self._release(batch_id)
+        return Outcome(done=True)
+
+    @staticmethod
+    def _stashed_backward(
+        stage: StageContext, kept: Kept, weights: Mapping[str, torch.Tensor], grad: torch.Tensor
+    ) -> torch.Tensor | None:
+        assert kept.h_in is not None
+        names = list(weights)
+        inputs = [weights[n] for n in names]
+        with_input = kept.h_in.requires_grad
+        if with_input:
+            inputs.append(kept.h_in)
+        grads = torch.autograd.grad(kept.h_out, inputs, grad, allow_unused=True)
+        stage.step_with({n: g for n, g in zip(names, grads) if g is not None})
+        return grads[-1].detach() if with_input and grads[-1] is not None else None
+
+
+def prior_gap(index: int, stages: int, max_in_flight: int) -> int:
+    """A stage's version gap in a 1F1B pipeline before it has measured one (see the module's docstring)."""
+    if index == stages - 1:
+        return 0
+    if index == 0:
+        return max_in_flight - 1
+    return min(max_in_flight - 1, stages - index - 1)
+
+
+def predict_weights(layers: nn.Module, optimizer: torch.optim.Optimizer, gap: float) -> dict[str, torch.Tensor]:
+    """SpecTrain's prediction ``W − gap·lr·v`` of every parameter of ``layers`` (by name).
+
+    ``v``: SGD's momentum buffer, or Adam's current step direction
+    ``m̂ / (√v̂ + ε)``; a parameter not yet stepped is predicted unchanged.
+    """
+    group = optimizer.param_groups[0]
+    lr = float(group["lr"])
+    predicted = {}
+    with torch.no_grad():
+        for name, p in layers.named_parameters():
+            state = optimizer.state.get(p, {})
+            direction: torch.Tensor | None = None
+            if isinstance(optimizer, torch.optim.SGD):
+                direction = state.get("momentum_buffer")
+            elif isinstance(optimizer, torch.optim.Adam) and "exp_avg" in state:
+                step = float(state["step"])
+                beta1, beta2 = group["betas"]
+                m_hat = state["exp_avg"] / (1 - beta1**step)
+                v_hat = state["exp_avg_sq"] / (1 - beta2**step)
+                direction = m_hat / (v_hat.sqrt() + group["eps"])
+            predicted[name] = p.detach().clone() if direction is None else p.detach() - (gap * lr) * direction
+    return predicted
+
+
+class SpecTrainRule(_RealGradientRule):
+    """SpecTrain: the forward meets the weights predicted for the gradient's return; the backward the current ones.
+
+    Needs the stage's own optimizer: SGD with momentum (the paper) or Adam.
+    :attr:`gap` is the version gap predicted with now.
+    """
+
+    recomputes: ClassVar[bool] = True
+
+    def __init__(self, settings: StageSettings, shape: StageShape) -> None:
+        super().__init__(settings, shape)
+        self._gaps: deque[int] = deque(maxlen=GAP_WINDOW)
+        self.prior = prior_gap(shape.index, shape.stages, settings.max_in_flight)
+
+    @classmethod
+    def check(cls, settings: StageSettings) -> None:
+        super().check(settings)
+        if settings.optimizer == "sgd" and settings.momentum <= 0.0:
+            raise ValueError("spectrain with the optimizer 'sgd' needs momentum > 0 (it predicts with the momentum)")
+
+    @property
+    def gap(self) -> float:
+        return sum(self._gaps) / len(self._gaps) if self._gaps else float(self.prior)
+
+    async def forward_weights(self, stage: StageContext, msg: Forward) -> Mapping[str, torch.Tensor] | None:
+        gap = self.gap
+        if stage.last or gap == 0.0:
+            return None
+        if not isinstance(stage.params, LocalOptimizer):
+            raise RuntimeError("spectrain predicts from the stage's own optimizer: it needs pipeline.replicas = 1")
+        return await stage.run_blocking(predict_weights, stage.layers, stage.params.optimizer, gap)
+
+    async def on_gradient(self, stage: StageContext, kept: Kept, msg: Gradient) -> Outcome:
+        self._gaps.append(stage.steps - kept.at_step)
+        return await super().on_gradient(stage, kept, msg)
+
+
+def forward_with(layers: nn.Module, weights: Mapping[str, torch.Tensor] | None, x: torch.Tensor) -> torch.Tensor:
+    """``layers(x)``, on ``weights`` (by parameter name) instead of the layers' own when given."""
+    if weights is None:
+        out: torch.Tensor = layers(x)
+    else:
+        out = functional_call(layers, dict(weights), (x,))
+    return out

@@ -1,0 +1,213 @@
+"""Asynchronous pipelines with real gradients: the rules ``async``, ``stash`` and ``spectrain``.
+
+With one batch in flight every rule is backprop, cut across stages; SpecTrain's
+prediction is its formula; a stashed batch's backward runs on the very weights
+its forward met (checked by checksums of the weights, not by timing).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+
+from dniasync import ActorSystem, Directive
+from dniasync.train.pipeline import (
+    PipelineDriver,
+    Schedule,
+    Stage,
+    StageSettings,
+    batch_order,
+    build_stages,
+    spawn_stages,
+    train_backprop,
+)
+from dniasync.train.pipeline.protocol import Forward, Gradient
+from dniasync.train.pipeline.rules import RULES, Kept, Outcome, StageContext, get_rule
+from dniasync.train.pipeline.rules.real import SpecTrainRule, StashRule, predict_weights, prior_gap
+
+torch.set_num_threads(1)
+
+GROUPS = [[0, 1], [2, 3], [4]]
+REAL = ["async", "stash", "spectrain"]
+
+
+def mlp(seed: int = 0, d_in: int = 64, width: int = 64) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d_in, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+
+
+@pytest.fixture(scope="module")
+def digits() -> tuple[torch.Tensor, torch.Tensor]:
+    data = load_digits()
+    return torch.tensor(data.data / 16.0, dtype=torch.float32), torch.tensor(data.target, dtype=torch.int64)
+
+
+def _merged(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {f"{g[int(n.split('.')[0])]}.{n.split('.')[1]}": t for g, st in zip(GROUPS, states) for n, t in st.items()}
+
+
+def test_the_real_gradient_rules_are_registered() -> None:
+    assert {"async", "stash", "spectrain"} <= RULES.keys()
+    for name in REAL:
+        assert get_rule(name).urgent_gradients and not get_rule(name).flush
+
+
+@pytest.mark.parametrize(("rule", "optimizer", "momentum"),
+                         [(r, "sgd", 0.9) for r in REAL] + [(r, "adam", 0.0) for r in REAL])
+async def test_one_batch_in_flight_reproduces_backprop(
+    digits: tuple[torch.Tensor, torch.Tensor], rule: str, optimizer: str, momentum: float
+) -> None:
+    x, y = digits[0][:192], digits[1][:192]
+    reference, untouched = mlp(seed=6), mlp(seed=6)
+    train_backprop(reference, x, y, epochs=2, batch_size=32, seed=3, lr=0.05 if optimizer == "sgd" else 1e-3,
+                   optimizer=optimizer, momentum=momentum)
+    settings = StageSettings(rule=rule, optimizer=optimizer, momentum=momentum,
+                             lr=0.05 if optimizer == "sgd" else 1e-3, max_in_flight=1)
+    batches = [idx for _, idx in batch_order(192, 32, epochs=2, seed=3)]
+    async with ActorSystem() as system:
+        refs = await spawn_stages(system, mlp(seed=6), GROUPS, settings, 64)
+        async with PipelineDriver(system, refs, Schedule(max_in_flight=1)) as driver:
+            result = await driver.train(x, y, batches)
+            states = await driver.states()
+    assert [s.steps for s in result.stats] == [12, 12, 12]
+    assert [s.sg_staleness_total for s in result.stats] == [0, 0, 0]  # one in flight: no version gap
+    got, want = _merged(states), reference.state_dict()
+    assert got.keys() == want.keys()
+    for key in want:
+        assert not torch.equal(want[key], untouched.state_dict()[key])
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+
+
+def test_spectrain_prediction_is_the_formula_on_a_hand_computed_case() -> None:
+    """SGD, lr 0.1, momentum 0.5: after gradients 1 then 3 the buffer is 0.5*1 + 3 = 3.5; w = 2 - 0.1*1 - 0.1*3.5."""
+    w = nn.Parameter(torch.tensor([2.0]))
+    layer = nn.Module()
+    layer.w = w
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.5)
+    for g in (1.0, 3.0):
+        w.grad = torch.tensor([g])
+        opt.step()
+    assert w.item() == pytest.approx(2.0 - 0.1 - 0.35)
+    predicted = predict_weights(layer, opt, gap=2.0)
+    # W - s*lr*v = 1.55 - 2 * 0.1 * 3.5 = 0.85
+    assert predicted["w"].item() == pytest.approx(0.85, abs=1e-6)
+    assert w.item() == pytest.approx(1.55)  # the prediction leaves the weights alone
+
+
+def test_spectrain_adam_prediction_is_the_current_adam_step() -> None:
+    w = nn.Parameter(torch.tensor([1.0, -1.0]))
+    layer = nn.Module()
+    layer.w = w
+    opt = torch.optim.Adam([w], lr=0.01)
+    w.grad = torch.tensor([0.5, -2.0])
+    opt.step()
+    before = w.detach().clone()
+    step = before - predict_weights(layer, opt, gap=1.0)["w"]
+    w.grad = torch.tensor([0.5, -2.0])  # the same gradient again: Adam's next step is the predicted direction
+    opt.step()
+    torch.testing.assert_close(before - w.detach(), step, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(predict_weights(layer, opt, gap=3.0)["w"], w.detach() - 3 * (before - w.detach()),
+                               rtol=1e-4, atol=1e-6)
+
+
+def test_spectrain_prior_gap_and_its_checks() -> None:
+    assert [prior_gap(r, 4, 4) for r in range(4)] == [3, 2, 1, 0]
+    assert [prior_gap(r, 2, 8) for r in range(2)] == [7, 0]
+    assert [prior_gap(r, 3, 1) for r in range(3)] == [0, 0, 0]
+    with pytest.raises(ValueError, match="needs momentum > 0"):
+        build_stages(mlp(), GROUPS, StageSettings(rule="spectrain", optimizer="sgd"), 64)
+    with pytest.raises(ValueError, match="synthetic inputs need"):
+        build_stages(mlp(), GROUPS, StageSettings(rule="stash", synthetic_inputs=True), 64)
+
+
+class _RecordingStash(StashRule):
+    """Stash, recording a checksum of the weights each batch's forward met and of those its backward used."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.at_forward: dict[int, float] = {}
+        self.at_backward: dict[int, float] = {}
+        self.live_at_backward: dict[int, float] = {}
+
+    async def after_forward(
+        self, stage: StageContext, msg: Forward, h_in: torch.Tensor, h_out: torch.Tensor
+    ) -> Outcome:
+        self.at_forward[msg.batch_id] = _checksum(self.stashed(msg.batch_id))
+        # the output that went downstream is the stashed weights' function of the input
+        from torch.func import functional_call
+
+        with torch.no_grad():
+            again = functional_call(stage.layers, dict(self.stashed(msg.batch_id)), (h_in,))
+        assert torch.equal(again, h_out)
+        return await super().after_forward(stage, msg, h_in, h_out)
+
+    async def on_gradient(self, stage: StageContext, kept: Kept, msg: Gradient) -> Outcome:
+        self.at_backward[msg.batch_id] = _checksum(self.stashed(msg.batch_id))
+        self.live_at_backward[msg.batch_id] = _checksum(dict(stage.layers.named_parameters()))
+        return await super().on_gradient(stage, kept, msg)
+
+
+def _checksum(weights: object) -> float:
+    assert isinstance(weights, dict)
+    return float(sum(float(t.detach().double().sum()) + float(t.detach().double().abs().sum()) for t in weights.values()))
+
+
+async def test_stashed_weights_are_the_ones_the_forward_used(digits: tuple[torch.Tensor, torch.Tensor]) -> None:
+    x, y = digits[0][:512], digits[1][:512]
+    settings = StageSettings(rule="stash", lr=1e-2, max_in_flight=4)
+    specs = build_stages(mlp(seed=1), GROUPS, settings, 64)
+    rules = [_RecordingStash(settings, spec.shape) for spec in specs]
+    schedule = Schedule(max_in_flight=4)
+    async with ActorSystem() as system:
+        refs = [await system.spawn(Stage, *spec.args(), rule=rule, name=f"stage-{k}",
+                                   mailbox_size=schedule.stage_mailbox_size(), supervision=Directive.STOP)
+                for k, (spec, rule) in enumerate(zip(specs, rules))]
+        async with PipelineDriver(system, refs, schedule) as driver:
+            result = await driver.train(x, y, [idx for _, idx in batch_order(512, 32, epochs=1, seed=0)])
+    first = rules[0]
+    assert len(first.at_forward) == len(first.at_backward) == 16
+    assert first.at_forward == first.at_backward  # the backward ran on the weights of the forward
+    stale = [b for b in first.at_backward if first.live_at_backward[b] != first.at_backward[b]]
+    assert stale, "no batch met a version gap: the test would prove nothing"
+    assert result.stats[0].sg_staleness_total > 0
+    # every version is freed once its batches are back; the peak is whole copies of the stage's weights
+    stage_bytes = sum(p.numel() * 4 for p in specs[0].layers.parameters())
+    assert result.stats[0].stash_bytes == 0
+    assert result.stats[0].stash_peak_bytes >= 2 * stage_bytes and result.stats[0].stash_peak_bytes % stage_bytes == 0
+    assert result.stats[-1].stash_peak_bytes == 0  # the last stage has no gap: nothing to stash
+
+
+@pytest.mark.parametrize("rule", REAL)
+async def test_many_in_flight_trains(digits: tuple[torch.Tensor, torch.Tensor], rule: str) -> None:
+    x, y = digits
+    settings = StageSettings(rule=rule, optimizer="sgd", momentum=0.9, lr=0.02, max_in_flight=4)
+    async with ActorSystem() as system:
+        refs = await spawn_stages(system, mlp(seed=2), GROUPS, settings, 64, mailbox_size=64)
+        async with PipelineDriver(system, refs, Schedule(max_in_flight=4)) as driver:
+            result = await driver.train(x[:1400], y[:1400], epochs=4, batch_size=32, seed=0,
+                                        eval_x=x[1400:], eval_y=y[1400:])
+    # backprop reaches 0.83 here; with momentum 0.9 and a gap of ~2.5 at the first stage, async and stash ~0.65,
+    # SpecTrain ~0.82 (its prediction undoes most of the gap)
+    assert result.history[-1].accuracy > (0.75 if rule == "spectrain" else 0.4)
+    assert result.stats[0].sg_staleness_total > 0
+    assert all(s.steps == 176 for s in result.stats)  # every batch's true gradient, once, at every stage
+
+
+async def test_spectrain_measures_the_gap_it_predicts_with(digits: tuple[torch.Tensor, torch.Tensor]) -> None:
+    x, y = digits[0][:640], digits[1][:640]
+    settings = StageSettings(rule="spectrain", optimizer="sgd", momentum=0.9, lr=0.05, max_in_flight=4)
+    specs = build_stages(mlp(seed=2), GROUPS, settings, 64)
+    rules = [SpecTrainRule(settings, spec.shape) for spec in specs]
+    assert [r.gap for r in rules] == [3.0, 1.0, 0.0]  # the priors
+    schedule = Schedule(max_in_flight=4)
+    async with ActorSystem() as system:
+        refs = [await system.spawn(Stage, *spec.args(), rule=rule, name=f"stage-{k}",
+                                   mailbox_size=schedule.stage_mailbox_size(), supervision=Directive.STOP)
+                for k, (spec, rule) in enumerate(zip(specs, rules))]
+        async with PipelineDriver(system, refs, schedule) as driver:
+            result = await driver.train(x, y, [idx for _, idx in batch_order(640, 32, epochs=1, seed=0)])
+    # the window's mean of the gaps measured is what the stage counted as staleness (20 batches, window 32)
+    assert rules[0].gap == pytest.approx(result.stats[0].sg_staleness_total / 20)
+    assert rules[0].gap > 0
