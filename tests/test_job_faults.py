@@ -189,3 +189,59 @@ def test_a_killed_ps_shard_is_restarted_from_its_snapshot_and_the_job_reaches_it
     assert doc["metrics"]["ps1_version"] >= restarted[0]["version"]
     assert doc["metrics"]["ps1_applied"] > 0  # it took pushes again after the restart
     assert "restarting it" in stdout
+
+
+def test_a_job_whose_coordinator_was_killed_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "resume"
+    config = tmp_path / "resume.toml"
+    config.write_text(JOB.format(name="resume", out=out, seconds=300).replace("max_epochs = 100000", "max_epochs = 12")
+                      + "\n[checkpoint]\nevery_seconds = 0.5\n")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        children = wait_training(out)
+        log = out / "logs" / "coordinator0.log"
+        deadline = time.monotonic() + 120
+        while log.read_text().count("checkpoint ckpt-") < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        coordinator = next(c for c in children if c["role"] == "coordinator")
+        os.kill(coordinator["pid"], signal.SIGKILL)
+        stdout, stderr = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 1 and not (out / "summary.json").exists(), stdout + stderr
+    resumed = subprocess.run(
+        [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config), "--resume"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    doc = summary(out)
+    assert doc["stop_reason"] == "trained 12 epochs"
+    events = [e["kind"] for e in doc["events"]]
+    assert events.count("replica_joined") == 4 and "resumed" in events  # the first run's events are kept
+    resumed_at = next(e for e in doc["events"] if e["kind"] == "resumed")
+    walls = [p["wall_s"] for p in doc["history"]]
+    samples = [p["samples"] for p in doc["history"]]
+    assert walls == sorted(walls) and samples == sorted(samples)  # one continuous history
+    assert any(p["wall_s"] < resumed_at["wall_s"] for p in doc["history"])  # with the first run's evaluations
+    assert doc["samples"] >= 12 * 1400 and doc["final_accuracy"] >= 0.9
+
+
+def test_resuming_under_another_config_fails_naming_the_difference(tmp_path: Path) -> None:
+    out = tmp_path / "differ"
+    config = tmp_path / "differ.toml"
+    text = JOB.format(name="differ", out=out, seconds=300).replace("max_epochs = 100000", "max_epochs = 3")
+    config.write_text(text + "\n[checkpoint]\nevery_seconds = 0.2\n")
+    first = subprocess.run([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    config.write_text(text.replace("lr = 0.05", "lr = 0.02") + "\n[checkpoint]\nevery_seconds = 0.2\n")
+    again = subprocess.run(
+        [sys.executable, "-m", "dniasync.node", "--role", "coordinator", "--config", str(config), "--resume"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert "optimizer.lr: 0.05 in the checkpoint, 0.02 now" in again.stderr

@@ -186,12 +186,14 @@ class EvalConfig(Section, frozen=True):
 
 
 class CheckpointConfig(Section, frozen=True):
-    """Snapshots of the job's state (today: the PS shards', kept by the coordinator in memory)."""
+    """Checkpoints of the job: PS shards, data cursors, history (`--resume` continues from the last)."""
 
     every_seconds: Annotated[float, Meta(gt=0.0, description=(
-        "snapshot every PS shard this often (parameters, optimizer state, version, push ledger); a PS process "
-        "that is restarted (by `--role local`, or an operator with the same address) continues from its last "
-        "snapshot, losing at most this interval of its updates"))] | None = 10.0
+        "snapshot every PS shard this often (parameters, optimizer state, version, push ledger) and write a "
+        "checkpoint; a PS process that is restarted (by `--role local`, or an operator with the same address) "
+        "continues from its last snapshot, losing at most this interval of its updates"))] | None = 10.0
+    dir: Annotated[str, Meta(description="where checkpoints go (default `<output_dir>/checkpoints`)")] | None = None
+    keep: Annotated[int, Meta(ge=1, description="checkpoints kept (the oldest go first)")] = 3
 
 
 _COMMON: Final[dict[str, type[Section]]] = {

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ..actors import Actor, ActorError, ActorRef, handler, message
+from ..train.checkpoint import LoadedCheckpoint
 from ..train.messages import Progress
+from . import durable
 from .config import Config
 from .modes import JobFailed, ModeJob, Snapshot, get_mode
 from .protocol import Assignment, JobStatus, JobStatusReply, JoinJob, NoJob, Ready
@@ -48,6 +50,8 @@ STOPPED: Final = "stopped: the coordinator was shut down before the job ended"
 TICK_S: Final = 0.25
 
 EVENT_EVAL_FAILED: Final = "eval_failed"
+EVENT_CHECKPOINT_FAILED: Final = "checkpoint_failed"
+EVENT_RESUMED: Final = "resumed"
 EVENT_JOB_FAILED: Final = "job_failed"
 
 
@@ -62,8 +66,18 @@ class JobRunner(Actor):
 
     mailbox_size = 0
 
-    def __init__(self, config: Config, *, liveness_s: float = 3.0, finished: asyncio.Event | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        liveness_s: float = 3.0,
+        finished: asyncio.Event | None = None,
+        resume_from: LoadedCheckpoint | None = None,
+    ) -> None:
         self.config = config
+        self.resume_from = resume_from
+        self._wall_before = 0.0
+        """Training time of the earlier runs of a resumed job."""
         self.liveness_s = liveness_s
         self.finished = finished or asyncio.Event()
         self.state = "waiting"
@@ -76,7 +90,7 @@ class JobRunner(Actor):
         self._next_eval_steps = config.eval.every_steps or 0
         self._last_eval_wall = 0.0
         self._eval_task: asyncio.Task[None] | None = None
-        self._snapshot_task: asyncio.Task[int] | None = None
+        self._snapshot_task: asyncio.Task[None] | None = None
         self._deferred: deque[Snapshot] = deque()
         self._ending: asyncio.Task[None] | None = None
         self._wall_at_end: float | None = None
@@ -86,10 +100,29 @@ class JobRunner(Actor):
         self.report = RunReport(self.config.job.name, self.config.mode,
                                 target_accuracy=self.config.stop.target_accuracy, config=self.config.to_dict())
         self.job: ModeJob = await self.run_blocking(get_mode(self.config.mode).job, self.config, self)
-        self.shards = ShardKeeper(self.job.ps_shards(), self.event, lost_after_s=PS_LOST_AFTER_S)
+        specs = self.job.ps_shards()
+        self.store = durable.checkpoint_store(self.config)
+        loaded = self.resume_from
+        if loaded is not None:
+            specs = await self.run_blocking(durable.resumed_specs, specs, loaded)
+        self.shards = ShardKeeper(specs, self.event, lost_after_s=PS_LOST_AFTER_S)
         self._last_snapshot = time.monotonic()
         track_trainer(self.system, self)
+        if loaded is not None:
+            try:
+                self._resume(loaded)
+            except JobFailed as exc:
+                self._fail(exc)
+                return
         self.ref.tell_nowait(_Tick())
+
+    def _resume(self, loaded: LoadedCheckpoint) -> None:
+        self.job.restore(loaded)
+        durable.restore_report(self.report, loaded.meta)
+        self._wall_before = float(loaded.meta["wall_s"])
+        self.event(EVENT_RESUMED, checkpoint=str(loaded.path), samples=self.samples())
+        log.info("resuming from %s: %.1f s and %d samples trained before", loaded.path, self._wall_before,
+                 self.samples())
 
     async def on_stop(self) -> None:
         """The node is shutting down (SIGTERM, Ctrl-C): whatever ran still gets its summary."""
@@ -111,12 +144,12 @@ class JobRunner(Actor):
         """Seconds since training started (frozen once the job ended)."""
         if self._wall_at_end is not None:
             return self._wall_at_end
-        return 0.0 if self.started_at is None else time.monotonic() - self.started_at
+        return self._wall_before if self.started_at is None else time.monotonic() - self.started_at
 
     def mark_started(self) -> None:
         """Training has begun: the clock starts (called by the mode)."""
         if self.started_at is None:
-            self.started_at = time.monotonic()
+            self.started_at = time.monotonic() - self._wall_before  # a resumed job's clock goes on
             self.state = "training"
 
     @property
@@ -188,9 +221,24 @@ class JobRunner(Actor):
     def _maybe_snapshot(self) -> None:
         every = self.config.checkpoint.every_seconds
         due = every is not None and time.monotonic() - self._last_snapshot >= every
-        if due and self.shards.refs and (self._snapshot_task is None or self._snapshot_task.done()):
+        if due and (self._snapshot_task is None or self._snapshot_task.done()):
             self._last_snapshot = time.monotonic()
-            self._snapshot_task = asyncio.create_task(self.shards.snapshot(), name=f"{self.config.job.name}-snap")
+            self._snapshot_task = asyncio.create_task(self._checkpoint(), name=f"{self.config.job.name}-checkpoint")
+
+    async def _checkpoint(self) -> None:
+        """Snapshot the PS shards, then write a checkpoint of them and of the job (off the event loop)."""
+        if self.shards.refs:
+            await self.shards.snapshot()
+        mode_meta, parts = self.job.checkpoint()
+        meta = durable.job_state(self.report, self.wall(), self.samples(), mode_meta)
+        parts = {**durable.shard_parts(self.shards.snapshots), **parts}
+        try:
+            path = await self.run_blocking(durable.write, self.store, parts, meta)
+        except OSError as exc:
+            self.event(EVENT_CHECKPOINT_FAILED, reason=repr(exc))
+            log.warning("checkpoint not written: %r", exc)
+            return
+        log.info("checkpoint %s: %d samples at %.1f s", path.name, meta["samples"], meta["wall_s"])
 
     def samples(self) -> int:
         return self.job.samples()

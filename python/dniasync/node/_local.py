@@ -182,7 +182,7 @@ def _summary(config: Config, status: JobStatusReply, out: IO[str]) -> None:
     print(f"  plot               {Path(status.summary).with_name('accuracy.png')}", file=out)
 
 
-async def _run(config_path: str, config: Config, out: IO[str]) -> int:
+async def _run(config_path: str, config: Config, out: IO[str], resume: bool) -> int:
     cluster = _Cluster(Path(config.output_dir))
     cluster.out.mkdir(parents=True, exist_ok=True)
     stop = asyncio.Event()
@@ -192,7 +192,8 @@ async def _run(config_path: str, config: Config, out: IO[str]) -> int:
     pumps: list[asyncio.Task[None]] = []
     interactive = out.isatty()
     try:
-        coordinator = await _spawn(cluster, "coordinator", 0, ["--config", config_path, "--listen", "127.0.0.1:0"])
+        coordinator = await _spawn(cluster, "coordinator", 0, ["--config", config_path, "--listen", "127.0.0.1:0",
+                                                               *(["--resume"] if resume else [])])
         listening: asyncio.Future[str] = loop.create_future()
         pumps.append(asyncio.create_task(_pump(coordinator, listening)))
         coordinator.address = await asyncio.wait_for(listening, STARTUP_TIMEOUT_S)
@@ -288,7 +289,7 @@ async def _run(config_path: str, config: Config, out: IO[str]) -> int:
             loop.remove_signal_handler(sig)
 
 
-def run_local(config_path: str, out: IO[str] = sys.stdout) -> int:
+def run_local(config_path: str, out: IO[str] = sys.stdout, *, resume: bool = False) -> int:
     """Run the job at ``config_path`` on this machine; the process exit status."""
     from ..runtime import run
 
@@ -297,4 +298,4 @@ def run_local(config_path: str, out: IO[str] = sys.stdout) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return run(_run(config_path, config, out))
+    return run(_run(config_path, config, out, resume))

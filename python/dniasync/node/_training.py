@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import logging
 import tomllib
+from typing import TYPE_CHECKING
 
-from ..cluster.config import load_config
+from ..cluster.config import Config, load_config
 from ..cluster.hosts import Host
 from ..cluster.modes._data_parallel import WORKER_HOST
 from ..cluster.protocol import COORDINATOR_NAME
 from ._roles import NodeContext, register_role, start_coordinator, start_member
+
+if TYPE_CHECKING:
+    from ..train.checkpoint import LoadedCheckpoint
 
 # torch and the training actors are imported only by nodes that train: a plain
 # cluster member starts in a fraction of a second without them.
@@ -43,6 +47,24 @@ def _slug(address: str) -> str:
     return address.replace(":", "-")
 
 
+class ResumeError(RuntimeError):
+    """``--resume`` cannot continue this job: no checkpoint, or one of another job or config."""
+
+
+def _last_checkpoint(config: Config) -> LoadedCheckpoint:
+    from ..cluster.durable import checkpoint_store
+    from ..train.checkpoint import CheckpointError
+
+    store = checkpoint_store(config)
+    try:
+        loaded = store.latest()
+    except CheckpointError as exc:
+        raise ResumeError(f"cannot resume job {config.job.name}: {exc}") from None
+    if loaded is None:
+        raise ResumeError(f"cannot resume job {config.job.name}: no checkpoint in {store.root}")
+    return loaded
+
+
 async def start_training_coordinator(context: NodeContext) -> None:
     await start_coordinator(context)
     path = job_config_path(context.options.get("config"))
@@ -54,7 +76,8 @@ async def start_training_coordinator(context: NodeContext) -> None:
 
     torch.set_num_threads(1)
     config = load_config(path)
-    await context.system.spawn(JobRunner, config, name=COORDINATOR_NAME)
+    loaded = _last_checkpoint(config) if context.options.get("resume") else None
+    await context.system.spawn(JobRunner, config, resume_from=loaded, name=COORDINATOR_NAME)
     log.info("running job %s (%s) from %s", config.job.name, config.mode, path)
 
 

@@ -124,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", metavar="F", help="TOML file with a [node] table of these options")
     parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="coordinator and local: continue the job from its last checkpoint ([checkpoint] dir) instead of "
+        "starting afresh; a config that differs outside [stop], [eval] and [checkpoint] is refused",
+    )
+    parser.add_argument(
         "--spawn",
         action="append",
         metavar="MODULE:CLASS[=NAME]",
@@ -285,7 +291,11 @@ async def run_node(options: dict[str, Any]) -> int:
                     print(f"error: cannot listen on {options['metrics_listen']}: {exc.strerror or exc}", file=sys.stderr)
                     return 1
             context = NodeContext(system, transport, role, options.get("join"), stop, options)
-            await ROLES[role](context)
+            try:
+                await ROLES[role](context)
+            except _training.ResumeError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
             if live is not None:
                 live.start(context)
             await system.spawn(NodeInfo, context, name=NODE_INFO)
@@ -387,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         logging.basicConfig(level=(args.log_level or "error").upper(), stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        return run_local(args.config)
+        return run_local(args.config, resume=args.resume)
     auto: AutoStart | None = None
     try:
         if args.role == "auto":
@@ -397,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
+    options["resume"] = args.resume
     if auto is not None:
         options["launch"] = auto.placement
         print(auto.placement.describe(), flush=True)

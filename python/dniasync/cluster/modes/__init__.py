@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from ...actors import ActorRef
+    from ...train.checkpoint import LoadedCheckpoint, Part
     from ...train.messages import Progress
     from ..config import Config
     from ..hosts import Host
@@ -105,6 +106,15 @@ class ModeJob(Protocol):
 
     async def record(self, report: RunReport) -> None:
         """Put the mode's own figures into the run summary."""
+
+    def checkpoint(self) -> tuple[dict[str, Any], dict[str, Part]]:
+        """The mode's state a resumed job needs: plain JSON (data cursors, samples so far) and tensor parts."""
+
+    def restore(self, loaded: LoadedCheckpoint) -> None:
+        """Continue from what :meth:`checkpoint` saved (called once, before any worker joins).
+
+        Raises :class:`JobFailed` if the mode cannot resume.
+        """
 
     async def close(self) -> None:
         """Release what the job holds (the runner is stopping)."""

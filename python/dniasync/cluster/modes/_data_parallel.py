@@ -31,6 +31,8 @@ from . import Snapshot
 if TYPE_CHECKING:
     from torch import nn
 
+    from ...train.checkpoint import LoadedCheckpoint, Part
+
     from ..hosts import Host
     from ..job import JobRunner
 
@@ -96,6 +98,9 @@ class DataParallelJob:
         """replica name -> its state"""
         self.owners: dict[int, str | None] = {s: None for s in range(config.n_data_shards)}
         self.cursors = {s: DataCursor(s) for s in range(config.n_data_shards)}
+        self.samples_before = 0
+        self.steps_before = 0
+        """What earlier runs of a resumed job trained."""
 
     def sync_spec(self) -> PSLinkSpec | SharedStoreSpec:
         raise NotImplementedError
@@ -209,10 +214,20 @@ class DataParallelJob:
 
     # -- figures ----------------------------------------------------------------------
     def samples(self) -> int:
-        return sum(r.samples for r in self.replicas.values())
+        return self.samples_before + sum(r.samples for r in self.replicas.values())
 
     def steps(self) -> int:
-        return sum(r.steps for r in self.replicas.values())
+        return self.steps_before + sum(r.steps for r in self.replicas.values())
+
+    def checkpoint(self) -> tuple[dict[str, Any], dict[str, Part]]:
+        meta = {"cursors": [[c.shard, c.epoch, c.position] for c in self.cursors.values()],
+                "samples": self.samples(), "steps": self.steps()}
+        return meta, {}
+
+    def restore(self, loaded: LoadedCheckpoint) -> None:
+        meta = loaded.meta["mode"]
+        self.cursors = {s: DataCursor(s, e, p) for s, e, p in meta["cursors"]}
+        self.samples_before, self.steps_before = int(meta["samples"]), int(meta["steps"])
 
     def done(self) -> str | None:
         return None

@@ -37,6 +37,8 @@ from .downpour import record_ps_stats
 if TYPE_CHECKING:
     import torch
 
+    from ...train.checkpoint import LoadedCheckpoint, Part
+
     from ...train.pipeline import PipelineDriver, StageStats
     from ..hosts import Host
     from ..job import JobRunner
@@ -48,6 +50,7 @@ log = logging.getLogger("dniasync.cluster.modes")
 
 EVENT_GROUP_FAILED: Final = "group_failed"
 EVENT_GROUPS_PLACED: Final = "groups_placed"
+EVENT_RESUME_REFUSED: Final = "resume_refused"
 
 
 def group_name(pipeline: int, group: int, replicas: int) -> str:
@@ -217,6 +220,13 @@ class PipelineJob:
 
     def samples(self) -> int:
         return sum(driver.samples_done for driver in self.drivers)
+
+    def checkpoint(self) -> tuple[dict[str, Any], dict[str, Part]]:
+        return {"cursors": [[c.shard, c.epoch, c.position] for c in self.cursors], "samples": self.samples()}, {}
+
+    def restore(self, loaded: LoadedCheckpoint) -> None:
+        raise JobFailed("a pipeline job cannot be resumed yet: its stages' weights are not in its checkpoints",
+                        EVENT_RESUME_REFUSED)
 
     def steps(self) -> int:
         return self.samples() // self.config.data.batch_size

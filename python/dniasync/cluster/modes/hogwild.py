@@ -21,6 +21,8 @@ from ._data_parallel import DataParallelJob, host_replica
 if TYPE_CHECKING:
     from torch import nn
 
+    from ...train.checkpoint import LoadedCheckpoint, Part
+
     from ..config import Config
     from ..job import JobRunner
 
@@ -52,6 +54,21 @@ class _HogwildJob(DataParallelJob):
 
     async def snapshot(self) -> Snapshot:
         return Snapshot(self.store.view(self.segment).copy())
+
+    def checkpoint(self) -> tuple[dict[str, Any], dict[str, Part]]:
+        from ...train.checkpoint import Part
+
+        meta, _ = super().checkpoint()
+        tensors = {"values": self.store.view(self.segment).copy()}
+        for slot in range(1, self.store.state_slots + 1):
+            tensors[f"state{slot}"] = self.store.view(self.segment, state=slot).copy()
+        return meta, {"hogwild": Part(tensors)}
+
+    def restore(self, loaded: LoadedCheckpoint) -> None:
+        super().restore(loaded)
+        tensors = loaded.tensors("hogwild")
+        for slot in range(self.store.state_slots + 1):
+            self.store.write(self.segment, tensors["values" if slot == 0 else f"state{slot}"], state=slot)
 
     async def close(self) -> None:
         self.store.close()
