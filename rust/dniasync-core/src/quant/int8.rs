@@ -143,28 +143,22 @@ unsafe fn encode_lanes<L: Lanes>(
 #[inline(always)]
 unsafe fn max_abs<L: Lanes>(x: &[f32]) -> Option<f32> {
     let wide = x.len() - x.len() % L::N;
-    let zero = L::splat(0.0);
-    // `v - v` is 0 for every finite `v` and NaN otherwise; NaN survives the sum.
-    let (mut max, mut poison) = (zero, zero);
     let p = x.as_ptr();
+    // Compared as integers, the largest |x| is also the one that tells NaN/Inf apart.
+    let mut max = L::splat(0.0);
     let mut i = 0;
     while i < wide {
         // SAFETY: `i + L::N <= x.len()`.
-        let v = L::load(p.add(i));
-        max = max.max(v.abs());
-        poison = poison.add(v.sub(v));
+        max = L::load(p.add(i)).max_abs_bits(max);
         i += L::N;
     }
-    let (mut lanes, mut bad) = ([0f32; 16], [0f32; 16]);
+    let mut lanes = [0f32; 16];
     max.spill(&mut lanes);
-    poison.spill(&mut bad);
-    let mut m = lanes[..L::N].iter().fold(0f32, |m, &v| m.max(v));
-    let mut finite = bad[..L::N].iter().all(|&b| b == 0.0);
-    for v in &x[wide..] {
-        m = m.max(v.abs());
-        finite &= v.is_finite();
+    let mut m = lanes[..L::N].iter().fold(0f32, |m, &v| m.max_abs_bits(v));
+    for &v in &x[wide..] {
+        m = v.max_abs_bits(m);
     }
-    finite.then_some(m)
+    m.is_finite().then_some(m)
 }
 
 /// `round(v * inv)` (half away from zero) as a signed byte per element, at `out`. With
@@ -172,21 +166,37 @@ unsafe fn max_abs<L: Lanes>(x: &[f32]) -> Option<f32> {
 /// is exactly that rounding, and no clamp is needed.
 #[inline(always)]
 unsafe fn quantize<L: Lanes>(g: &[f32], inv: f32, out: *mut u8) {
-    let wide = g.len() - g.len() % L::N;
-    let half = f32::from_bits(0.5f32.to_bits() - 1);
-    let (iv, hv) = (L::splat(inv), L::splat(half));
+    let (iv, hv) = (L::splat(inv), L::splat(HALF_DOWN));
     let p = g.as_ptr();
     let mut i = 0;
-    while i < wide {
-        // SAFETY: `i + L::N <= g.len()`, and `out` holds `g.len()` bytes.
-        let y = L::load(p.add(i)).mul(iv);
-        y.add(hv.copysign(y)).store_i8(out.add(i));
+    // SAFETY (all loops): `i + 4 L::N` (or `L::N`, 1) `<= g.len()`; `out` holds `g.len()` bytes.
+    while i + 4 * L::N <= g.len() {
+        let mut regs = [iv; 4];
+        for (k, r) in regs.iter_mut().enumerate() {
+            *r = to_trunc(L::load(p.add(i + k * L::N)), iv, hv);
+        }
+        L::store_i8x4(regs, out.add(i));
+        i += 4 * L::N;
+    }
+    while i + L::N <= g.len() {
+        to_trunc(L::load(p.add(i)), iv, hv).store_i8(out.add(i));
         i += L::N;
     }
-    for (j, &v) in g.iter().enumerate().skip(wide) {
-        let y = v * inv;
-        (y + half.copysign(y)).store_i8(out.add(j));
+    while i < g.len() {
+        to_trunc(*p.add(i), inv, HALF_DOWN).store_i8(out.add(i));
+        i += 1;
     }
+}
+
+/// The float below 0.5: adding it (signed) then truncating rounds half away from zero.
+const HALF_DOWN: f32 = 0.499_999_97;
+const _: () = assert!(HALF_DOWN.to_bits() == 0.5f32.to_bits() - 1);
+
+/// `v * inv` moved so that truncating it rounds it (see `quantize`).
+#[inline(always)]
+unsafe fn to_trunc<L: Lanes>(v: L, inv: L, half_down: L) -> L {
+    let y = v.mul(inv);
+    y.add(half_down.copysign(y))
 }
 
 /// A parsed payload; also a `GradSource` decoding on the fly.

@@ -151,9 +151,9 @@ by_isa! {
 }
 
 /// Adds `g` into `r` and appends the codes of the elements that reach `tau`, `L::N` at a
-/// time: a compare gives the crossing lanes, a masked subtract updates the residual and a
-/// compress packs the codes, with no data-dependent branch on x86 (branch mispredictions on
-/// where codes fall would otherwise cost more than the memory traffic).
+/// time: a compare gives the crossing lanes, a masked subtract updates the residual and,
+/// when some lane crossed, a compress packs the codes (no branch on where in the register
+/// they fall; codes are sparse, so the one branch per register is mostly not taken).
 #[inline(always)]
 unsafe fn encode_lanes<L: Lanes>(r: &mut [f32], g: &[f32], tau: f32, out: &mut Vec<u32>) {
     assert_eq!(r.len(), g.len());
@@ -163,19 +163,13 @@ unsafe fn encode_lanes<L: Lanes>(r: &mut [f32], g: &[f32], tau: f32, out: &mut V
     let mut len = out.len();
     let mut i = 0;
     while i < n {
-        if out.capacity() - len < L::N {
-            out.set_len(len);
-            out.reserve(L::N.max(out.capacity() / 2));
-        }
-        // SAFETY: `i + L::N <= n` (or one lane at a time past `wide`), within both slices;
-        // `L::N` spare code slots were just reserved.
-        let dst = out.as_mut_ptr().add(len);
+        // SAFETY: `i + L::N <= n` (or one lane at a time past `wide`), within both slices.
         len += if i < wide {
-            let k = encode_at::<L>(rp.add(i), gp.add(i), tau, i as u32, dst);
+            let k = encode_at::<L>(rp.add(i), gp.add(i), tau, i as u32, out, len);
             i += L::N;
             k
         } else {
-            let k = encode_at::<f32>(rp.add(i), gp.add(i), tau, i as u32, dst);
+            let k = encode_at::<f32>(rp.add(i), gp.add(i), tau, i as u32, out, len);
             i += 1;
             k
         };
@@ -183,14 +177,16 @@ unsafe fn encode_lanes<L: Lanes>(r: &mut [f32], g: &[f32], tau: f32, out: &mut V
     out.set_len(len);
 }
 
-/// One register of `encode_lanes`: returns how many codes it wrote at `out`.
+/// One register of `encode_lanes`: the codes go to `out` from `len` (`out`'s length is
+/// not kept up to date); returns how many it wrote.
 #[inline(always)]
 unsafe fn encode_at<L: Lanes>(
     r: *mut f32,
     g: *const f32,
     tau: f32,
     first: u32,
-    out: *mut u32,
+    out: &mut Vec<u32>,
+    len: usize,
 ) -> usize {
     let sum = L::load(r).add(L::load(g));
     let tau = L::splat(tau);
@@ -198,7 +194,15 @@ unsafe fn encode_at<L: Lanes>(
     // Over +tau loses tau, under -tau gains it; the others lose zero (which keeps them as they are).
     let step = L::select(crossed, tau.copysign(sum), L::splat(0.0));
     sum.sub(step).store(r);
-    sum.compress_codes(crossed, first, out)
+    if L::bits(crossed) == 0 {
+        return 0;
+    }
+    if out.capacity() - len < L::N {
+        out.set_len(len);
+        out.reserve(L::N.max(out.capacity() / 2));
+    }
+    // SAFETY: `L::N` spare code slots after `len`.
+    sum.compress_codes(crossed, first, out.as_mut_ptr().add(len))
 }
 
 /// Checks that codes address `0..n` in strictly ascending order.

@@ -46,8 +46,6 @@ pub unsafe trait Lanes: Copy {
     unsafe fn mul(self, o: Self) -> Self;
     unsafe fn div(self, o: Self) -> Self;
     unsafe fn sqrt(self) -> Self;
-    /// Lane maximum; for inputs that are not NaN.
-    unsafe fn max(self, o: Self) -> Self;
     unsafe fn abs(self) -> Self;
     /// `self` with the sign of `sign`.
     unsafe fn copysign(self, sign: Self) -> Self;
@@ -59,8 +57,19 @@ pub unsafe trait Lanes: Copy {
     /// The mask as bits, lane `j` at bit `j`.
     unsafe fn bits(m: Self::Mask) -> u32;
 
+    /// Lane maximum of `|self|` and `acc` (not negative) compared as integers: finite values
+    /// order as floats do, and NaN and ±Inf above them all.
+    unsafe fn max_abs_bits(self, acc: Self) -> Self;
+
     /// Truncates each lane (|x| < 128) towards zero and stores it as one signed byte.
     unsafe fn store_i8(self, out: *mut u8);
+    /// `store_i8` of four registers, at `out`, `out + N`, ...
+    #[inline(always)]
+    unsafe fn store_i8x4(regs: [Self; 4], out: *mut u8) {
+        for (k, r) in regs.into_iter().enumerate() {
+            r.store_i8(out.add(k * Self::N));
+        }
+    }
     /// Writes the threshold codes (`code(first_index + j, x_j)`) of the lanes `j` set in `m`,
     /// in lane order, to `out` (it may write all `N` slots); returns how many it wrote.
     unsafe fn compress_codes(self, m: Self::Mask, first_index: u32, out: *mut u32) -> usize;
@@ -119,14 +128,6 @@ unsafe impl Lanes for f32 {
         f32::sqrt(self)
     }
     #[inline(always)]
-    unsafe fn max(self, o: f32) -> f32 {
-        if self > o {
-            self
-        } else {
-            o
-        }
-    }
-    #[inline(always)]
     unsafe fn abs(self) -> f32 {
         f32::abs(self)
     }
@@ -149,6 +150,10 @@ unsafe impl Lanes for f32 {
     #[inline(always)]
     unsafe fn bits(m: bool) -> u32 {
         u32::from(m)
+    }
+    #[inline(always)]
+    unsafe fn max_abs_bits(self, acc: f32) -> f32 {
+        f32::from_bits(self.abs().to_bits().max(acc.to_bits()))
     }
     #[inline(always)]
     unsafe fn store_i8(self, out: *mut u8) {
@@ -230,10 +235,6 @@ unsafe impl Lanes for Wide {
         self.map(f32::sqrt)
     }
     #[inline(always)]
-    unsafe fn max(self, o: Wide) -> Wide {
-        self.zip(o, |a, b| if a > b { a } else { b })
-    }
-    #[inline(always)]
     unsafe fn abs(self) -> Wide {
         self.map(f32::abs)
     }
@@ -260,6 +261,10 @@ unsafe impl Lanes for Wide {
         bits
     }
     #[inline(always)]
+    unsafe fn max_abs_bits(self, acc: Wide) -> Wide {
+        self.zip(acc, |x, a| unsafe { x.max_abs_bits(a) })
+    }
+    #[inline(always)]
     unsafe fn store_i8(self, out: *mut u8) {
         out.cast::<[u8; 8]>()
             .write_unaligned(self.0.map(|x| unsafe { x.to_int_unchecked::<i8>() } as u8));
@@ -268,10 +273,10 @@ unsafe impl Lanes for Wide {
     unsafe fn compress_codes(self, m: [u32; 8], first_index: u32, out: *mut u32) -> usize {
         // No portable compress: visit the selected lanes (few, for the sparse codes this serves).
         let mut bits = Self::bits(m);
+        let codes: [u32; 8] = std::array::from_fn(|j| code(first_index + j as u32, self.0[j]));
         let mut k = 0;
         while bits != 0 {
-            let j = bits.trailing_zeros();
-            *out.add(k) = code(first_index + j, self.0[j as usize]);
+            *out.add(k) = codes[bits.trailing_zeros() as usize];
             k += 1;
             bits &= bits - 1;
         }

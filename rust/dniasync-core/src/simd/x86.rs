@@ -93,11 +93,6 @@ unsafe impl Lanes for Ymm {
     }
     #[inline]
     #[target_feature(enable = "avx")]
-    unsafe fn max(self, o: Ymm) -> Ymm {
-        Ymm(_mm256_max_ps(self.0, o.0))
-    }
-    #[inline]
-    #[target_feature(enable = "avx")]
     unsafe fn abs(self) -> Ymm {
         Ymm(_mm256_andnot_ps(_mm256_set1_ps(-0.0), self.0))
     }
@@ -127,10 +122,29 @@ unsafe impl Lanes for Ymm {
     }
     #[inline]
     #[target_feature(enable = "avx2")]
+    unsafe fn max_abs_bits(self, acc: Ymm) -> Ymm {
+        let abs = _mm256_and_si256(_mm256_castps_si256(self.0), _mm256_set1_epi32(i32::MAX));
+        Ymm(_mm256_castsi256_ps(_mm256_max_epi32(
+            abs,
+            _mm256_castps_si256(acc.0),
+        )))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2")]
     unsafe fn store_i8(self, out: *mut u8) {
         let i = _mm256_cvttps_epi32(self.0);
         let words = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256::<1>(i));
         _mm_storel_epi64(out.cast(), _mm_packs_epi16(words, words));
+    }
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn store_i8x4([a, b, c, d]: [Ymm; 4], out: *mut u8) {
+        let [a, b, c, d] = [a, b, c, d].map(|r| _mm256_cvttps_epi32(r.0));
+        // The packs work within 128-bit halves: bytes come out as a0-3 b0-3 c0-3 d0-3 |
+        // a4-7 b4-7 c4-7 d4-7, which the permute puts back in order.
+        let bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        _mm256_storeu_si256(out.cast(), _mm256_permutevar8x32_epi32(bytes, order));
     }
     #[inline]
     #[target_feature(enable = "avx2,popcnt")]
@@ -215,11 +229,6 @@ unsafe impl Lanes for Zmm {
     }
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn max(self, o: Zmm) -> Zmm {
-        Zmm(_mm512_max_ps(self.0, o.0))
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f")]
     unsafe fn abs(self) -> Zmm {
         Zmm(_mm512_abs_ps(self.0))
     }
@@ -248,6 +257,15 @@ unsafe impl Lanes for Zmm {
     #[target_feature(enable = "avx512f")]
     unsafe fn bits(m: __mmask16) -> u32 {
         u32::from(m)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn max_abs_bits(self, acc: Zmm) -> Zmm {
+        let abs = _mm512_castps_si512(_mm512_abs_ps(self.0));
+        Zmm(_mm512_castsi512_ps(_mm512_max_epi32(
+            abs,
+            _mm512_castps_si512(acc.0),
+        )))
     }
     #[inline]
     #[target_feature(enable = "avx512f")]
