@@ -239,11 +239,14 @@ async def test_per_address_cap_evicts_the_oldest_stranger_and_keeps_members() ->
                     assert node.guard.connections_from("127.0.0.3") == 3
                     for s in (b, c, d):
                         assert await asyncio.to_thread(closed_after, s, 0.2) >= 0.2
-            # strangers from 127.0.0.1 fill its quota; the member's websocket is never the one evicted
+            # the member's websocket from 127.0.0.1 takes none of that address's quota and is never evicted
             with raw(node.address) as e, raw(node.address) as f, raw(node.address) as g:
                 await asyncio.sleep(0.1)
-                assert await asyncio.to_thread(closed_after, e, 1.0) < 1.0
-                assert await echo.ask(Ping(2), timeout=5) == 3
+                assert await asyncio.to_thread(closed_after, e, 0.2) >= 0.2
+                with raw(node.address):
+                    await asyncio.sleep(0.1)
+                    assert await asyncio.to_thread(closed_after, e, 1.0) < 1.0
+                    assert await echo.ask(Ping(2), timeout=5) == 3
                 del f, g
             assert node.counters.connections_evicted == 2
 
@@ -347,8 +350,11 @@ try:
                 seen[key] = re.search(pattern, line).group(1)
         if len(seen) == 2:
             break
-    def get(url, token=None):
-        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    def get(url, token=None, host=None):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if host:
+            headers["Host"] = host
+        request = urllib.request.Request(url, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=5) as response:
                 return response.status, response.read(200).decode(errors="replace")
@@ -364,6 +370,7 @@ try:
         "challenge_without_token": get(base + "/dniasync/challenge?cn=abcdefghijkl")[0],
         "operator_listener": get(seen["metrics"])[0],
         "operator_live_page": get(seen["metrics"].rsplit("/", 1)[0] + "/")[0],
+        "operator_live_page_rebound": get(seen["metrics"].rsplit("/", 1)[0] + "/", host="attacker.example")[0],
     }))
 finally:
     node.terminate()
@@ -385,4 +392,5 @@ def test_metrics_and_live_page_need_the_token_beyond_loopback(tmp_path: Any) -> 
         "live_without_token": 401, "live_with_token": 200,
         "challenge_without_token": 200,  # the wire's own handshake proves the token its own way
         "operator_listener": 200, "operator_live_page": 200,
+        "operator_live_page_rebound": 403,  # loopback listener: loopback Host names only (no DNS rebinding)
     }, result

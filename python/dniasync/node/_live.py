@@ -123,8 +123,10 @@ class LivePage:
 
     # -- serving ------------------------------------------------------------------------
     def _allowed(self, request: web.Request) -> bool:
-        """On a loopback node, only loopback Host names (no DNS rebinding from a web page)."""
-        host, _ = parse_hostport(self.transport.address)
+        """On a loopback listener (the node's, or its --metrics-listen), only loopback Host names
+        (no DNS rebinding from a web page)."""
+        local = request.transport.get_extra_info("sockname") if request.transport is not None else None
+        host = str(local[0]) if isinstance(local, tuple) and local else parse_hostport(self.transport.address)[0]
         if not is_loopback(host):
             return True
         name = request.host.rsplit(":", 1)[0] if not request.host.endswith("]") else request.host

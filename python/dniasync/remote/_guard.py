@@ -5,8 +5,9 @@ request headers trickle in (slowloris), and accepts as many as the process
 has file descriptors. Every accepted connection therefore passes through a
 :class:`ConnectionGuard` first:
 
-- at most ``max_connections`` open in total and ``max_connections_per_address``
-  from one peer address; at a cap, the oldest connection that is not an
+- at most ``max_connections`` open in total, and ``max_connections_per_address``
+  from one peer address that are not members' websockets (a one-host cluster
+  is all 127.0.0.1); at a cap, the oldest connection that is not an
   authenticated member's websocket makes room (so a flood of idle or slow
   clients cannot lock a member out), and if there is none the newcomer is
   reset at once;
@@ -66,6 +67,7 @@ class ConnectionGuard:
         return len(self._entries)
 
     def connections_from(self, address: str) -> int:
+        """Connections open from ``address`` that are not members' websockets."""
         return self._per_address.get(address, 0)
 
     # -- accept / lose ----------------------------------------------------------------
@@ -97,15 +99,18 @@ class ConnectionGuard:
     def lost(self, entry: _Entry) -> None:
         if self._entries.pop(entry.transport, None) is None:
             return
-        self._untrusted.pop(entry.transport, None)
         if entry.deadline is not None:
             entry.deadline.cancel()
             entry.deadline = None
-        left = self._per_address[entry.address] - 1
+        if self._untrusted.pop(entry.transport, None) is not None:
+            self._uncount(entry.address)
+
+    def _uncount(self, address: str) -> None:
+        left = self._per_address[address] - 1
         if left:
-            self._per_address[entry.address] = left
+            self._per_address[address] = left
         else:
-            del self._per_address[entry.address]
+            del self._per_address[address]
 
     def _make_room(self, address: str | None) -> None:
         """Drop the oldest untrusted connection (from ``address`` if given) that is not mid-request."""
@@ -156,9 +161,13 @@ class ConnectionGuard:
     def trust(self, transport: Any) -> None:
         """``transport`` carries a member's websocket now: no deadline, never evicted."""
         entry = self._entries.get(transport)
-        if entry is not None:
+        if entry is not None and not entry.trusted:
             entry.trusted = True
-            self._untrusted.pop(transport, None)
+            if entry.deadline is not None:
+                entry.deadline.cancel()
+                entry.deadline = None
+            if self._untrusted.pop(transport, None) is not None:
+                self._uncount(entry.address)
 
     def middleware(self) -> Middleware:
         """The aiohttp middleware that tells the guard where requests start and end."""
