@@ -177,9 +177,9 @@ class StashRule(_RealGradientRule):
 
     async def on_gradient(self, stage: StageContext, kept: Kept, msg: Gradient) -> Outcome:
         assert kept.h_in is not None
-        weights = self.stashed(kept_batch := msg.batch_id)
+        weights = self.stashed(msg.batch_id)
         grad_in = await stage.run_blocking(self._stashed_backward, stage, kept, weights, msg.gradient)
-        self._release(kept_batch)
+        self._release(msg.batch_id)
         return Outcome("update", upstream=grad_in, done=True)
 
     def on_late_gradient(self, batch_id: int) -> Outcome:
