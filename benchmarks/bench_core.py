@@ -311,7 +311,7 @@ def plot(results: dict[str, Any], isas: list[str], path: str) -> None:
     fractions = results["bandwidth_fraction"]
     names = list(fractions[isas[-1]])
     height = 0.8 / len(isas)
-    fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(names) * len(isas) + 1.2))
+    fig, ax = plt.subplots(figsize=(7.5, 0.22 * len(names) * len(isas) + 1.2))
     for k, isa in enumerate(isas):
         ys = [i + (k - (len(isas) - 1) / 2) * height for i in range(len(names))]
         ax.barh(ys, [fractions[isa][name] for name in names], height=height, label=isa)
