@@ -37,7 +37,8 @@ def wait_for_data(cluster: LocalCluster, address: str, timeout: float = 60) -> d
     deadline = time.monotonic() + timeout
     while True:
         status: dict[str, Any] = json.loads(fetch(f"http://{address}/api/status"))
-        if len(status["history"]) >= 3 and len(status["series"]) >= 3:
+        trained = [p for p in status["history"] if p["samples"] > 0]
+        if len(trained) >= 3 and len(status["series"]) >= 3:
             return status
         assert time.monotonic() < deadline, f"no data on the page:\n{status}\n{cluster.output()}"
         time.sleep(0.5)

@@ -79,6 +79,7 @@ class Host(Actor):
         from .modes import host_spec
 
         self.hosted = await host_spec(self, reply.spec)
+        log.info("%s host: hosting %s", self.role, ", ".join(ref.address for ref in self.hosted))
         self._delay = self.retry_s
         self.ready = Ready(self.ref.address, self.incarnation, list(self.hosted))
         await self._announce(runner, self.ready)

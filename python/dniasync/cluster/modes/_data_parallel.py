@@ -124,7 +124,6 @@ class DataParallelJob:
             for s in shards:
                 self.owners[s] = name
             self.replicas[name] = _Replica(join.member, join.incarnation, now, shards, last_seen=now)
-            self.runner.mark_started()
             self.runner.event(EVENT_REPLICA_JOINED, replica=name, shards=",".join(map(str, sorted(shards))),
                               cluster_steps=self.steps())
             log.info("replica %s joined; data shards %s", name, sorted(shards))
@@ -137,6 +136,7 @@ class DataParallelJob:
         state = self.replicas.get(replica_name(ready.member))
         if state is not None and state.incarnation == ready.incarnation and ready.refs:
             state.ref = ready.refs[0]
+            self.runner.mark_started()  # the clock starts with the first replica that has its data and model
             if self.runner.ending:  # it came up after the job ended: it has nothing to train
                 await self.stop_one(state, "the job has ended")
 
