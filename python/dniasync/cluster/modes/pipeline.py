@@ -173,6 +173,11 @@ class _Pipeline:
         for key in sorted(k for k in metrics if k.endswith("_sg_loss_last")):
             group = key.removesuffix("_sg_loss_last")
             lines.append(f"  {group + ' SG loss':18s} {metrics[group + '_sg_loss_first']:.3g} -> {metrics[key]:.3g}")
+        for key in sorted(k for k in metrics if k.endswith("_version_gap_mean")):
+            group = key.removesuffix("_version_gap_mean")
+            stash = metrics.get(group + "_stash_peak_bytes")
+            lines.append(f"  {group + ' version gap':18s} {metrics[key]:.2f} updates per batch (mean)"
+                         + (f", stash peak {stash / 1024:,.1f} KiB" if stash else ""))
         return lines
 
     def job(self, config: Config, runner: JobRunner) -> ModeJob:
