@@ -176,3 +176,21 @@ async def test_cnn_trains_as_a_pipeline(digits: tuple[torch.Tensor, torch.Tensor
     # backprop reaches ~0.9 here; on a loaded machine the asynchronous runs vary (0.76-0.9 seen for cDNI and
     # SpecTrain after 3 epochs); chance is 0.1
     assert result.history[-1].accuracy > 0.65
+
+
+def test_a_cnn_config_with_a_bad_layer_fails_when_parsed_naming_the_layer() -> None:
+    import tomllib
+    from pathlib import Path
+
+    from dniasync.cluster.config import ConfigError, parse_config
+
+    raw = tomllib.loads((Path(__file__).resolve().parent.parent / "examples/cnn_mnist_cdni.toml").read_text())
+    assert parse_config(raw).settings.method == "cdni"
+    raw["model"]["kwargs"]["image"] = [1, 20, 20]
+    with pytest.raises(ConfigError, match=r"'pipeline.groups': layer 0 \(Unflatten\) cannot take activations of "
+                                          r"shape \(784,\)"):
+        parse_config(raw)
+    raw["model"]["kwargs"]["image"] = [1, 28, 28]
+    raw["pipeline"]["groups"] = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11]]
+    with pytest.raises(ConfigError, match=r"layers \[12\] are in no group"):
+        parse_config(raw)

@@ -32,6 +32,8 @@ __all__ = ["PIPELINE", "PipelineConfig"]
 LOCAL_OPTIMIZERS = ("adam", "sgd", "momentum")
 _SG_KEYS = ("synthetic_inputs", "sg_hidden_layers", "sg_hidden_width", "sg_lr", "sg_fit_rows")
 _ASYNC_METHODS = ("dni", "cdni", "async", "stash", "spectrain")
+_BUILTIN_FEATURES = {"mnist5k": 784, "digits": 64}
+"""Values per example of the built-in data sets (flat), so a cut is probed before any data is loaded."""
 
 
 class PipelineConfig(Section, frozen=True):
@@ -150,13 +152,16 @@ class _Pipeline:
     def resolve(self, config: Config, model: nn.Module) -> None:
         from torch import nn
 
-        from ...train.pipeline import GroupConfigError, validate_groups
+        from ...train.pipeline import GroupConfigError, StageSettings, build_stages, validate_groups
 
         if not isinstance(model, nn.Sequential):
             raise ConfigError(f"'model.factory' returns a {type(model).__name__}; mode 'pipeline' cuts an "
                               "nn.Sequential into stages", "model.factory")
         try:
             validate_groups(config.settings.groups, len(model))
+            features = _BUILTIN_FEATURES.get(config.data.dataset)
+            if features is not None:  # probe every layer with the data's shape now (a file's is known on loading)
+                build_stages(model, config.settings.groups, StageSettings(rule=config.settings.method), features)
         except GroupConfigError as e:
             raise ConfigError(f"'pipeline.groups': {e}", "pipeline.groups") from None
 
