@@ -162,6 +162,11 @@ class JobRunner(Actor):
         """The job has stopped training (its summary is being, or has been, written)."""
         return self._ending is not None
 
+    def poke(self) -> None:
+        """Check the stop rules now rather than at the next tick (the mode saw something change)."""
+        if self._ending is None:
+            self.send_later(0.0, _Tick())
+
     def event(self, kind: str, **details: Any) -> None:
         self.report.record_event(self.wall(), kind, **details)
 
@@ -195,8 +200,8 @@ class JobRunner(Actor):
         for shard, version in enumerate(msg.ps_versions):
             self.shards.note_version(shard, version)
         self.job.progress(msg)
-        if self._ending is None and self.samples() >= self._sample_budget():
-            self.ref.tell_nowait(_Tick())  # the epoch budget is spent: stop now, not at the next tick
+        if self.samples() >= self._sample_budget():
+            self.poke()  # the epoch budget is spent: stop now, not at the next tick
 
     # -- the tick: liveness, evaluation, stop rules ---------------------------------
     @handler

@@ -186,8 +186,11 @@ class PipelineJob:
             yield torch.from_numpy(np.ascontiguousarray(indices))
 
     async def _train(self, r: int, driver: PipelineDriver) -> None:
-        result = await driver.train(self.x_train, self.y_train, self._batches(r))
-        self._note_stats(r, result.stats)  # asked of the stages last: their SG losses are the latest
+        try:
+            result = await driver.train(self.x_train, self.y_train, self._batches(r))
+            self._note_stats(r, result.stats)  # asked of the stages last: their SG losses are the latest
+        finally:
+            self.runner.poke()  # done or broken: the runner ends the job now, not at its next tick
 
     # -- the runner's questions ---------------------------------------------------------
     def progress(self, msg: Progress) -> None:
