@@ -16,7 +16,6 @@ from dniasync.cluster.config import Config, parse_config
 from dniasync.node import main
 from dniasync.node._launchers import (
     SLURM_PORT_BASE,
-    LaunchEnv,
     LauncherError,
     detect_launcher,
     parse_nodelist,

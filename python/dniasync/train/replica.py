@@ -31,7 +31,6 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from .. import _core
 from ..actors import Actor, ActorError, ActorRef, handler, message
 from .data import DataCursor
 from .flat import FlatModel, flatten_parameters
