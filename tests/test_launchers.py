@@ -303,4 +303,6 @@ def test_a_hogwild_job_under_torchrun_takes_its_roles_and_ends_with_the_job(tmp_
     assert "dniasync rank 1 (worker): job finished; stopping" in proc.stdout
     assert "dniasync rank 0 (coordinator): job finished; stopping" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["stop_reason"] == "reached target accuracy 0.8"
+    # how many evaluations fit before the epoch budget depends on the machine's load: either ending is the job's
+    assert summary["stop_reason"] in ("reached target accuracy 0.8", "trained 20 epochs")
+    assert summary["final_accuracy"] >= 0.8
