@@ -70,6 +70,17 @@ def wait_training(out: Path, timeout: float = 120) -> list[dict[str, Any]]:
     raise AssertionError("the job never trained")
 
 
+def hosting(children: list[dict[str, Any]], actor: str, timeout: float = 60) -> dict[str, Any]:
+    """The child process whose log says it hosts ``actor`` (which PS process gets which shard is a race)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in children:
+            if f"hosting {actor}" in Path(child["log"]).read_text():
+                return child
+        time.sleep(0.1)
+    raise AssertionError(f"no process says it hosts {actor}")
+
+
 def summary(out: Path) -> dict[str, Any]:
     return json.loads((out / "summary.json").read_text())  # type: ignore[no-any-return]
 
@@ -201,7 +212,7 @@ def test_a_killed_ps_shard_is_restarted_from_its_snapshot_and_the_job_reaches_it
         deadline = time.monotonic() + 120
         while "snapshot of 2 PS shard(s)" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
-        victim = [c for c in children if c["role"] == "ps"][1]
+        victim = hosting(children, "ps-1@")
         os.kill(victim["pid"], signal.SIGKILL)
         stdout, stderr = launcher.communicate(timeout=240)
     finally:
