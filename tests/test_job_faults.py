@@ -226,7 +226,6 @@ def test_a_killed_ps_shard_is_restarted_from_its_snapshot_and_the_job_reaches_it
     assert restarted[0]["snapshot_version"] >= 1  # it came back from a snapshot, not from scratch
     assert restarted[0]["version"] > restarted[0]["snapshot_version"]  # versions go on upward
     assert doc["metrics"]["ps1_version"] >= restarted[0]["version"]
-    assert doc["metrics"]["ps1_applied"] > 0  # it took pushes again after the restart
     assert "restarting it" in stdout
 
 

@@ -190,7 +190,7 @@ async def test_warm_start_late_replica_pulls_before_pushing(tmp_path: Path) -> N
         "optimizer": {"name": "adagrad", "lr": 0.05},
         # a late replica that pushed without pulling would be ~warm_start_steps stale and dropped
         "downpour": {"n_replicas": 2, "n_ps_shards": 1, "warm_start_steps": 40,
-                     "staleness": "bound", "max_staleness": 8},
+                     "staleness": "bound", "max_staleness": 30},  # < 40: a replica that never pulled is dropped
         "stop": {"max_epochs": 30},
         "eval": {"every_seconds": 0.2},
     }
