@@ -13,7 +13,7 @@ Writing: parts go into the temp directory (each file written, read back for
 its sha256, fsynced, renamed into its name), then the manifest (fsynced), the
 directory is fsynced, renamed to ``ckpt-<seq>``, and the root fsynced. A
 writer killed at any point leaves either the previous checkpoints alone or a
-complete new one. No pickle anywhere: tensors are safetensors, the rest JSON.
+complete new one. No Python object serialization anywhere: tensors are safetensors, the rest JSON.
 
 Several processes may write parts of one checkpoint when they share the
 filesystem: the job runner calls :meth:`CheckpointStore.begin`, sends
