@@ -1,0 +1,262 @@
+"""Dynamic layer regrouping: where the split between stages should be, and moving layers to get there.
+
+Three parts, each usable on its own:
+
+- **Estimates** (:class:`StageCosts`): every stage reports the time its layers
+  took per batch (forward plus backward, measured per layer on the stage). The
+  first report calibrates each layer's *cost*; afterwards a stage's measured
+  time over the calibrated cost of its layers is that stage's *slowness* (1.0
+  on an unloaded process, 2.0 on a process that runs at half speed). A split's
+  predicted stage time is ``slowness × Σ cost`` over its layers, smoothed by an
+  exponential moving average so one noisy batch does not move a layer.
+- **Policy** (:class:`RegroupPolicy`, :data:`POLICIES`): given the estimates,
+  propose new groups or nothing. ``balance`` (the default) picks the split that
+  minimises the slowest stage's predicted time (the pipeline's throughput is
+  one batch per slowest stage) and proposes it when the predicted gain passes
+  ``min_gain``.
+- **Transfer** (:func:`pack_layers`, :func:`unpack_layers`): a layer's weights,
+  buffers and optimizer state as a flat ``{name: tensor}`` bundle, what travels
+  between two stages over the wire, and its inverse on the receiving stage.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+__all__ = [
+    "POLICIES",
+    "BalancePolicy",
+    "Proposal",
+    "RegroupPolicy",
+    "StageCosts",
+    "best_split",
+    "bottleneck",
+    "drop_from_optimizer",
+    "get_policy",
+    "moved_layers",
+    "pack_layers",
+    "unpack_layers",
+]
+
+Groups = tuple[tuple[int, ...], ...]
+
+
+def _as_groups(groups: Iterable[Iterable[int]]) -> Groups:
+    return tuple(tuple(g) for g in groups)
+
+
+def bottleneck(groups: Sequence[Sequence[int]], costs: Sequence[float], slowness: Sequence[float]) -> float:
+    """The slowest stage's predicted time per batch: ``max_s slowness[s] × Σ costs`` of its layers."""
+    return max(slowness[s] * sum(costs[i] for i in group) for s, group in enumerate(groups))
+
+
+def best_split(costs: Sequence[float], slowness: Sequence[float]) -> tuple[Groups, float]:
+    """The contiguous split of ``len(costs)`` layers into ``len(slowness)`` non-empty stages with the
+    smallest bottleneck, and that bottleneck.
+
+    Dynamic programming over (stages, layers): ``O(stages × layers²)``, exact;
+    ties go to the split that moves the boundaries least far right (stable).
+    """
+    n, k = len(costs), len(slowness)
+    if k < 1 or n < k:
+        raise ValueError(f"cannot split {n} layers into {k} non-empty stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[s][j]: smallest bottleneck of the first j layers in stages 0..s; cut[s][j]: where stage s starts
+    best = [[math.inf] * (n + 1) for _ in range(k)]
+    cut = [[0] * (n + 1) for _ in range(k)]
+    for j in range(1, n + 1):
+        best[0][j] = slowness[0] * prefix[j]
+    for s in range(1, k):
+        for j in range(s + 1, n + 1):
+            for start in range(s, j):
+                value = max(best[s - 1][start], slowness[s] * (prefix[j] - prefix[start]))
+                if value < best[s][j]:
+                    best[s][j], cut[s][j] = value, start
+    bounds = [n]
+    for s in range(k - 1, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    bounds.append(0)
+    bounds.reverse()
+    return tuple(tuple(range(bounds[s], bounds[s + 1])) for s in range(k)), best[k - 1][n]
+
+
+def moved_layers(old: Sequence[Sequence[int]], new: Sequence[Sequence[int]]) -> dict[int, tuple[int, int]]:
+    """Every layer whose stage changes: ``{layer: (old stage, new stage)}``."""
+    where_old = {i: s for s, g in enumerate(old) for i in g}
+    return {i: (where_old[i], s) for s, g in enumerate(new) for i in g if where_old[i] != s}
+
+
+@dataclass
+class StageCosts:
+    """Smoothed per-layer costs and per-stage slowness, from the times stages report.
+
+    ``smoothing`` is the weight of a new report in the moving average (1.0:
+    only the latest counts).
+    """
+
+    n_layers: int
+    smoothing: float = 0.3
+    costs: list[float] | None = None
+    """Calibrated cost per layer (seconds per batch on an unloaded stage); ``None`` until the first report."""
+    slowness: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.smoothing <= 1.0:
+            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+
+    def calibrate(self, layer_seconds: Mapping[int, float]) -> None:
+        """Set every layer's cost from one measurement of all of them (the profile pass, or the first reports)."""
+        missing = sorted(set(range(self.n_layers)) - layer_seconds.keys())
+        if missing:
+            raise ValueError(f"no time measured for layers {missing}")
+        floor = max(max(layer_seconds.values()) * 1e-6, 1e-9)  # a layer never costs nothing: keeps slowness finite
+        self.costs = [max(float(layer_seconds[i]), floor) for i in range(self.n_layers)]
+
+    def report(self, stage: int, layer_seconds: Mapping[int, float]) -> None:
+        """A stage's measured time per batch for each of its layers."""
+        if self.costs is None:
+            return
+        expected = sum(self.costs[i] for i in layer_seconds)
+        if expected <= 0.0:
+            return
+        ratio = sum(layer_seconds.values()) / expected
+        old = self.slowness.get(stage)
+        self.slowness[stage] = ratio if old is None else old + self.smoothing * (ratio - old)
+
+    def stage_slowness(self, n_stages: int) -> list[float]:
+        return [self.slowness.get(s, 1.0) for s in range(n_stages)]
+
+    def forget_slowness(self) -> None:
+        """After a move a stage's slowness is measured afresh (its layers changed under it)."""
+        self.slowness.clear()
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """New groups, and why: the bottleneck now and the one predicted after the move."""
+
+    groups: Groups
+    bottleneck_now_s: float
+    bottleneck_after_s: float
+
+    @property
+    def gain(self) -> float:
+        """Predicted throughput gain: ``now / after − 1`` (0.25 = 25 % more batches per second)."""
+        return self.bottleneck_now_s / self.bottleneck_after_s - 1.0 if self.bottleneck_after_s > 0 else 0.0
+
+
+class RegroupPolicy(Protocol):
+    """Decides whether and where to move the split; the job runner applies the cool-down and move budget."""
+
+    @property
+    def name(self) -> str: ...
+
+    def propose(self, groups: Sequence[Sequence[int]], estimates: StageCosts) -> Proposal | None: ...
+
+
+@dataclass(frozen=True)
+class BalancePolicy:
+    """Propose the split with the smallest predicted bottleneck when it beats today's by ``min_gain``."""
+
+    min_gain: float = 0.1
+    name: str = "balance"
+
+    def propose(self, groups: Sequence[Sequence[int]], estimates: StageCosts) -> Proposal | None:
+        if estimates.costs is None:
+            return None
+        slowness = estimates.stage_slowness(len(groups))
+        now = bottleneck(groups, estimates.costs, slowness)
+        split, after = best_split(estimates.costs, slowness)
+        proposal = Proposal(split, now, after)
+        if split == _as_groups(groups) or proposal.gain < self.min_gain:
+            return None
+        return proposal
+
+
+POLICIES: dict[str, type[BalancePolicy]] = {"balance": BalancePolicy}
+"""Regrouping policies by their ``[regroup] policy`` name."""
+
+
+def get_policy(name: str, *, min_gain: float) -> RegroupPolicy:
+    """The policy ``name`` with its threshold; unknown names fail listing the known ones."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown regroup policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+    return cls(min_gain=min_gain)
+
+
+# ---- moving layers between stages -------------------------------------------------------------------------------
+
+_STATE = "@"
+"""Separates a parameter's name from one of its optimizer-state entries in a bundle key."""
+
+
+def pack_layers(layers: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+    """The weights, buffers and optimizer state of ``layers`` (by model index) as ``{name: tensor}`` copies.
+
+    Keys: ``"3/weight"`` for layer 3's state-dict entry ``weight``;
+    ``"3/weight@exp_avg"`` for its optimizer state (non-tensor state such as a
+    step count becomes a 0-d tensor). The bundle holds copies: the sending
+    stage may drop the layers at once.
+    """
+    bundle: dict[str, torch.Tensor] = {}
+    for index, module in layers.items():
+        for name, value in module.state_dict().items():
+            bundle[f"{index}/{name}"] = value.detach().clone()
+        if optimizer is None:
+            continue
+        for name, param in module.named_parameters():
+            for key, value in optimizer.state.get(param, {}).items():
+                tensor = value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(value)
+                bundle[f"{index}/{name}{_STATE}{key}"] = tensor
+    return bundle
+
+
+def unpack_layers(
+    bundle: Mapping[str, torch.Tensor], layers: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer | None
+) -> None:
+    """Load ``bundle`` into ``layers`` (fresh modules of the same kind) and register their parameters, with
+    their optimizer state, in ``optimizer``'s first parameter group.
+
+    Raises ``ValueError`` naming the first key the bundle lacks or has too many of.
+    """
+    known: set[str] = set()
+    for index, module in layers.items():
+        own = {name: bundle[f"{index}/{name}"] for name in module.state_dict() if f"{index}/{name}" in bundle}
+        missing = sorted(set(module.state_dict()) - own.keys())
+        if missing:
+            raise ValueError(f"the bundle lacks layer {index}'s {missing[0]!r}")
+        module.load_state_dict(own)
+        known.update(f"{index}/{name}" for name in own)
+        if optimizer is None:
+            continue
+        params = []
+        for name, param in module.named_parameters():
+            prefix = f"{index}/{name}{_STATE}"
+            state = {key[len(prefix):]: value.clone() for key, value in bundle.items() if key.startswith(prefix)}
+            known.update(prefix + key for key in state)
+            if state:
+                optimizer.state[param] = state
+            params.append(param)
+        optimizer.param_groups[0]["params"].extend(params)
+    extra = sorted(set(bundle) - known)
+    if extra:
+        raise ValueError(f"the bundle holds {extra[0]!r}, which belongs to none of layers {sorted(layers)}")
+
+
+def drop_from_optimizer(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter]) -> None:
+    """Forget ``params`` (of layers that moved away) in ``optimizer``: their state and their group slots."""
+    gone = {id(p) for p in params}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) not in gone]
+    for param in [p for p in optimizer.state if id(p) in gone]:
+        del optimizer.state[param]

@@ -1,0 +1,159 @@
+"""Dynamic regrouping, the parts that need no cluster: the split policy and moving layers with their state."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from dniasync.train.pipeline.regroup import (
+    BalancePolicy,
+    StageCosts,
+    best_split,
+    bottleneck,
+    drop_from_optimizer,
+    get_policy,
+    moved_layers,
+    pack_layers,
+    unpack_layers,
+)
+
+
+def _all_splits(n: int, k: int) -> list[tuple[tuple[int, ...], ...]]:
+    splits = []
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        splits.append(tuple(tuple(range(bounds[s], bounds[s + 1])) for s in range(k)))
+    return splits
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_best_split_is_the_exhaustive_optimum(seed: int) -> None:
+    rng = random.Random(seed)
+    n, k = rng.randint(3, 9), rng.randint(2, 4)
+    k = min(k, n)
+    costs = [rng.uniform(0.1, 5.0) for _ in range(n)]
+    slowness = [rng.uniform(0.5, 3.0) for _ in range(k)]
+    split, value = best_split(costs, slowness)
+    assert sorted(i for g in split for i in g) == list(range(n))
+    assert all(split)
+    assert value == pytest.approx(bottleneck(split, costs, slowness))
+    assert value == pytest.approx(min(bottleneck(s, costs, slowness) for s in _all_splits(n, k)))
+
+
+def test_best_split_rejects_more_stages_than_layers() -> None:
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3"):
+        best_split([1.0, 1.0], [1.0, 1.0, 1.0])
+
+
+def _costs(per_layer: list[float]) -> StageCosts:
+    est = StageCosts(len(per_layer))
+    est.calibrate(dict(enumerate(per_layer)))
+    return est
+
+
+def test_balance_moves_layers_out_of_an_overloaded_stage() -> None:
+    est = _costs([1.0, 1.0, 1.0, 1.0, 1.0])
+    proposal = BalancePolicy(min_gain=0.1).propose([[0, 1, 2, 3], [4]], est)
+    assert proposal is not None
+    assert proposal.groups in (((0, 1), (2, 3, 4)), ((0, 1, 2), (3, 4)))
+    assert proposal.gain == pytest.approx(4 / 3 - 1)
+    assert set(moved_layers([[0, 1, 2, 3], [4]], proposal.groups)) <= {2, 3}
+
+
+def test_balance_keeps_a_split_whose_gain_is_below_the_threshold() -> None:
+    est = _costs([1.0, 1.0, 1.1, 1.0])
+    assert BalancePolicy(min_gain=0.1).propose([[0, 1], [2, 3]], est) is None
+    assert BalancePolicy(min_gain=0.1).propose([[0, 1, 2], [3]], _costs([1.0, 1.0, 1.0, 3.0])) is None
+
+
+def test_a_slowed_stage_gives_its_layers_to_its_neighbour() -> None:
+    est = _costs([1.0, 1.0, 1.0, 1.0])
+    policy = BalancePolicy(min_gain=0.1)
+    assert policy.propose([[0, 1], [2, 3]], est) is None
+    for _ in range(20):  # stage 0's process now runs at a third of its speed; stage 1 unchanged
+        est.report(0, {0: 3.0, 1: 3.0})
+        est.report(1, {2: 1.0, 3: 1.0})
+    assert est.stage_slowness(2) == pytest.approx([3.0, 1.0], rel=1e-3)
+    proposal = policy.propose([[0, 1], [2, 3]], est)
+    assert proposal is not None and proposal.groups == ((0,), (1, 2, 3))
+
+
+def test_unknown_policy_names_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="known: balance"):
+        get_policy("greedy", min_gain=0.1)
+
+
+def _mlp(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _step(stages: list[nn.Sequential], optimizers: list[torch.optim.Optimizer], x: torch.Tensor,
+          y: torch.Tensor) -> None:
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    h = x
+    for stage in stages:
+        h = stage(h)
+    nn.functional.cross_entropy(h, y).backward()
+    for opt in optimizers:
+        opt.step()
+
+
+def _make_optimizer(kind: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-2)
+    return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+
+
+@pytest.mark.parametrize("kind", ["adam", "momentum"])
+def test_a_move_keeps_the_function_and_the_optimizer_state(kind: str) -> None:
+    """Layers 2 and 3 move from stage 0 to stage 1 (packed, then unpacked into fresh modules built with another
+    seed): the model's output is unchanged, and the next step equals the step without a move."""
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 12, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+
+    reference = _mlp(0)
+    ref_stages = [nn.Sequential(*reference[:4]), nn.Sequential(*reference[4:])]
+    ref_opts = [_make_optimizer(kind, list(s.parameters())) for s in ref_stages]
+    moving = _mlp(0)
+    stages = [nn.Sequential(*moving[:4]), nn.Sequential(*moving[4:])]
+    opts = [_make_optimizer(kind, list(s.parameters())) for s in stages]
+    for _ in range(3):
+        _step(ref_stages, ref_opts, x, y)
+        _step(stages, opts, x, y)
+
+    with torch.no_grad():
+        before = stages[1](stages[0](x))
+    bundle = pack_layers({2: stages[0][2], 3: stages[0][3]}, opts[0])
+    drop_from_optimizer(opts[0], [p for i in (2, 3) for p in stages[0][i].parameters()])
+    fresh = _mlp(99)  # the receiving stage builds the layers from the model factory, with any seed
+    unpack_layers(bundle, {2: fresh[2], 3: fresh[3]}, opts[1])
+    stages = [nn.Sequential(*stages[0][:2]), nn.Sequential(fresh[2], fresh[3], *stages[1])]
+    with torch.no_grad():
+        after = stages[1](stages[0](x))
+    assert torch.equal(before, after)
+    assert sum(len(g["params"]) for g in opts[0].param_groups) == 2
+    assert len(opts[0].state) == 2
+
+    _step(ref_stages, ref_opts, x, y)
+    _step(stages, opts, x, y)
+    ref_params = [p for s in ref_stages for p in s.parameters()]
+    params = [p for s in stages for p in s.parameters()]
+    assert len(ref_params) == len(params)
+    for a, b in zip(ref_params, params, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_unpack_names_a_missing_or_foreign_entry() -> None:
+    model = _mlp(0)
+    bundle = pack_layers({2: model[2]}, None)
+    with pytest.raises(ValueError, match="lacks layer 4's 'bias'"):
+        unpack_layers(bundle, {2: _mlp(1)[2], 4: _mlp(1)[4]}, None)
+    both = pack_layers({2: model[2], 4: model[4]}, None)
+    with pytest.raises(ValueError, match="holds '4/bias', which belongs to none of layers \\[2\\]"):
+        unpack_layers(both, {2: _mlp(1)[2]}, None)
