@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from dniasync.train.pipeline.regroup import (
     BalancePolicy,
+    LayerClock,
     StageCosts,
     best_split,
     bottleneck,
@@ -18,6 +20,7 @@ from dniasync.train.pipeline.regroup import (
     get_policy,
     moved_layers,
     pack_layers,
+    profile_layers,
     unpack_layers,
 )
 
@@ -157,3 +160,66 @@ def test_unpack_names_a_missing_or_foreign_entry() -> None:
     both = pack_layers({2: model[2], 4: model[4]}, None)
     with pytest.raises(ValueError, match="holds '4/bias', which belongs to none of layers \\[2\\]"):
         unpack_layers(both, {2: _mlp(1)[2]}, None)
+
+
+class _FakeTime:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Advance(torch.autograd.Function):
+    """Identity whose backward moves the fake clock on: a layer's known backward cost."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, clock: _FakeTime, cost: float) -> torch.Tensor:
+        ctx.clock, ctx.cost = clock, cost
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.clock.now += ctx.cost
+        return grad, None, None
+
+
+class _Costly(nn.Module):
+    def __init__(self, clock: _FakeTime, forward_s: float, backward_s: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.clock, self.forward_s, self.backward_s = clock, forward_s, backward_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.clock.now += self.forward_s
+        out: torch.Tensor = _Advance.apply(self.lin(x), self.clock, self.backward_s)
+        return out
+
+
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_layer_clock_attributes_forward_and_backward_time_to_each_layer(input_grad: bool) -> None:
+    fake = _FakeTime()
+    layers = nn.Sequential(_Costly(fake, 1.0, 10.0), _Costly(fake, 2.0, 20.0), _Costly(fake, 3.0, 30.0))
+    clock = LayerClock(layers, first_index=4, clock=fake)
+    for _ in range(2):
+        layers(torch.randn(2, 3, requires_grad=input_grad)).sum().backward()
+        clock.backward_done()
+    layers.eval()
+    layers(torch.randn(2, 3))  # an evaluation: not training time
+    layers.train()
+    assert clock.take() == {4: 11.0, 5: 22.0, 6: 33.0}
+    assert clock.take() == {}
+    clock.close()
+    layers(torch.randn(2, 3)).sum().backward()
+    clock.backward_done()
+    assert clock.take() == {}
+
+
+def test_profile_measures_every_layer_and_leaves_the_weights() -> None:
+    model = _mlp(0)
+    before = [p.detach().clone() for p in model.parameters()]
+    times = profile_layers(model, (12,), 16, batches=3, warmup=1, num_classes=4)
+    assert sorted(times) == list(range(len(model)))
+    assert all(t > 0 for t in times.values())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(p.grad is None for p in model.parameters())

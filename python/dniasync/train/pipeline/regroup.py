@@ -22,9 +22,11 @@ Three parts, each usable on its own:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from functools import partial
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -32,6 +34,7 @@ from torch import nn
 __all__ = [
     "POLICIES",
     "BalancePolicy",
+    "LayerClock",
     "Proposal",
     "RegroupPolicy",
     "StageCosts",
@@ -41,6 +44,7 @@ __all__ = [
     "get_policy",
     "moved_layers",
     "pack_layers",
+    "profile_layers",
     "unpack_layers",
 ]
 
@@ -192,6 +196,103 @@ def get_policy(name: str, *, min_gain: float) -> RegroupPolicy:
     except KeyError:
         raise ValueError(f"unknown regroup policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
     return cls(min_gain=min_gain)
+
+
+# ---- measuring ---------------------------------------------------------------------------------------------------
+
+
+class LayerClock:
+    """Per-layer forward and backward time of a stage's layers, measured with hooks, whatever the update rule.
+
+    Forward: a pre-hook and a hook on every layer (in training mode only, so
+    evaluations do not count). Backward: a hook on each layer's output
+    gradient marks when that layer's backward starts, which is when the layer
+    below it finished; the stage calls :meth:`backward_done` after each
+    backward, which ends the first layer's. Rules that recompute a batch's
+    forward pay for it twice, and that is counted: :meth:`take` gives the
+    seconds per *trained* batch of each layer.
+    """
+
+    def __init__(self, layers: nn.Sequential, first_index: int, *, clock: Callable[[], float] = time.perf_counter):
+        self.first_index = first_index
+        self._clock = clock
+        self._seconds = [0.0] * len(layers)
+        self._batches = 0
+        self._started = 0.0
+        self._last: tuple[int, float] | None = None  # (layer whose backward is running, since when)
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        for k, layer in enumerate(layers):
+            self._handles.append(layer.register_forward_pre_hook(self._before))
+            self._handles.append(layer.register_forward_hook(partial(self._after, k)))
+
+    def _before(self, module: nn.Module, args: Any) -> None:
+        self._started = self._clock()
+
+    def _after(self, k: int, module: nn.Module, args: Any, output: Any) -> None:
+        if not module.training:
+            return
+        self._seconds[k] += self._clock() - self._started
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(partial(self._grad_at, k))  # type: ignore[no-untyped-call]
+
+    def _grad_at(self, k: int, grad: torch.Tensor) -> None:
+        now = self._clock()
+        if self._last is not None and self._last[0] == k + 1:
+            self._seconds[k + 1] += now - self._last[1]
+        self._last = (k, now)
+
+    def backward_done(self) -> None:
+        """One batch's backward through these layers has returned (ignored once closed)."""
+        if not self._handles:
+            return
+        if self._last is not None and self._last[0] == 0:
+            self._seconds[0] += self._clock() - self._last[1]
+        self._last = None
+        self._batches += 1
+
+    def take(self) -> dict[int, float]:
+        """Seconds per trained batch of each layer (by model index) since the last take; empty if none trained."""
+        if self._batches == 0:
+            return {}
+        out = {self.first_index + k: s / self._batches for k, s in enumerate(self._seconds)}
+        self._seconds = [0.0] * len(self._seconds)
+        self._batches = 0
+        return out
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def profile_layers(
+    model: nn.Sequential, in_shape: Sequence[int], batch_size: int, *, batches: int = 20, warmup: int = 3,
+    num_classes: int | None = None,
+) -> dict[int, float]:
+    """Every layer's forward + backward seconds per batch of ``batch_size``, measured in this process on random
+    inputs (the one-shot profile that picks a first split before training). The model's weights are left as they
+    were (no optimizer step); its gradients are cleared."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch_size, *in_shape, generator=gen)
+    clock = LayerClock(model, 0)
+    was_training = model.training
+    model.train()
+    try:
+        for i in range(warmup + batches):
+            if i == warmup:
+                clock.take()
+            out = model(x)
+            if num_classes is not None:
+                labels = torch.randint(0, num_classes, (batch_size,), generator=gen)
+                nn.functional.cross_entropy(out, labels).backward()  # type: ignore[no-untyped-call]
+            else:
+                out.sum().backward()
+            clock.backward_done()
+        return clock.take()
+    finally:
+        clock.close()
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
 
 
 # ---- moving layers between stages -------------------------------------------------------------------------------
