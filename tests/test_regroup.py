@@ -13,6 +13,7 @@ from torch import nn
 from dniasync.train.pipeline.regroup import (
     BalancePolicy,
     LayerClock,
+    Regrouper,
     StageCosts,
     best_split,
     bottleneck,
@@ -223,3 +224,32 @@ def test_profile_measures_every_layer_and_leaves_the_weights() -> None:
     assert all(t > 0 for t in times.values())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_regrouper_calibrates_then_moves_once_per_cooldown_within_its_budget() -> None:
+    regrouper = Regrouper(((0, 1, 2, 3), (4,)), BalancePolicy(min_gain=0.1), cooldown_s=10.0, max_moves=2)
+    regrouper.observe(0, {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0})
+    assert regrouper.decide(0.0) is None  # stage 1 has not reported: not calibrated
+    regrouper.observe(1, {4: 1.0})
+    assert regrouper.estimates.costs == [1.0] * 5
+    assert regrouper.decide(0.0) is None  # calibrated, but no stage measured against the calibration yet
+    regrouper.observe(0, {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0})
+    regrouper.observe(1, {4: 1.0})
+    first = regrouper.decide(1.0)
+    assert first is not None and first.gain > 0.3
+    regrouper.applied(first.groups, now=1.0)
+    assert regrouper.moves == 1
+    regrouper.observe(0, {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0})  # stale: from before the move
+    assert regrouper.estimates.slowness == {}
+    slow = {i: 4.0 for i in first.groups[0]}  # stage 0's process slows to a quarter of its speed
+    for _ in range(30):
+        regrouper.observe(0, slow)
+        regrouper.observe(1, {i: 1.0 for i in first.groups[1]})
+    assert regrouper.decide(5.0) is None  # cooling down
+    second = regrouper.decide(11.0)
+    assert second is not None and len(second.groups[0]) < len(first.groups[0])
+    regrouper.applied(second.groups, now=11.0)
+    for _ in range(30):
+        regrouper.observe(0, {i: 1.0 for i in second.groups[0]})  # and recovers: moving back would gain
+        regrouper.observe(1, {i: 1.0 for i in second.groups[1]})
+    assert regrouper.decide(30.0) is None  # the run's budget of two moves is spent

@@ -37,6 +37,7 @@ __all__ = [
     "LayerClock",
     "Proposal",
     "RegroupPolicy",
+    "Regrouper",
     "StageCosts",
     "best_split",
     "bottleneck",
@@ -196,6 +197,74 @@ def get_policy(name: str, *, min_gain: float) -> RegroupPolicy:
     except KeyError:
         raise ValueError(f"unknown regroup policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
     return cls(min_gain=min_gain)
+
+
+@dataclass
+class Regrouper:
+    """The job runner's side of regrouping: smoothed estimates in, at most one move per cool-down out.
+
+    Stages :meth:`observe` their per-layer times; the runner asks :meth:`decide`
+    on its tick. Until every stage has reported once the costs are not
+    calibrated (nothing to decide); the first complete round calibrates them
+    with every stage's slowness taken as 1.0, unless :meth:`calibrate` was
+    given a profile first. ``max_moves`` bounds the moves of a whole run (0: no
+    bound). After a move the slowness is measured afresh and the cool-down
+    starts again from the moment the move was applied.
+    """
+
+    groups: Groups
+    policy: RegroupPolicy
+    cooldown_s: float
+    max_moves: int = 0
+    smoothing: float = 0.3
+    moves: int = 0
+    _estimates: StageCosts = field(init=False)
+    _pending: dict[int, dict[int, float]] = field(init=False, default_factory=dict)
+    _quiet_until: float = field(init=False, default=-math.inf)
+
+    def __post_init__(self) -> None:
+        self.groups = _as_groups(self.groups)
+        self._estimates = StageCosts(sum(len(g) for g in self.groups), self.smoothing)
+
+    @property
+    def estimates(self) -> StageCosts:
+        return self._estimates
+
+    def calibrate(self, layer_seconds: Mapping[int, float]) -> None:
+        self._estimates.calibrate(layer_seconds)
+
+    def observe(self, stage: int, layer_seconds: Mapping[int, float]) -> None:
+        """A stage's latest per-layer seconds per batch (reports naming layers the stage no longer has are
+        stale, from before a move, and ignored)."""
+        if not layer_seconds or set(layer_seconds) != set(self.groups[stage]):
+            return
+        if self._estimates.costs is None:
+            self._pending[stage] = dict(layer_seconds)
+            if len(self._pending) == len(self.groups):
+                self._estimates.calibrate({i: t for times in self._pending.values() for i, t in times.items()})
+                self._pending.clear()
+            return
+        self._estimates.report(stage, layer_seconds)
+
+    def decide(self, now: float) -> Proposal | None:
+        """A move to make now, or ``None``: cooling down, out of moves, not every stage measured since the
+        calibration or the last move, or no gain worth it."""
+        if now < self._quiet_until or (self.max_moves and self.moves >= self.max_moves):
+            return None
+        if len(self._estimates.slowness) < len(self.groups):
+            return None
+        return self.policy.propose(self.groups, self._estimates)
+
+    def applied(self, groups: Sequence[Sequence[int]], now: float) -> None:
+        """The move to ``groups`` is done (or a split was set by hand): count it and start the cool-down."""
+        self.groups = _as_groups(groups)
+        self.moves += 1
+        self._estimates.forget_slowness()
+        self._quiet_until = now + self.cooldown_s
+
+    def hold(self, now: float) -> None:
+        """Start a cool-down without a move (e.g. at the start of training, to let estimates settle)."""
+        self._quiet_until = now + self.cooldown_s
 
 
 # ---- measuring ---------------------------------------------------------------------------------------------------
