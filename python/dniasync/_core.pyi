@@ -34,6 +34,13 @@ __all__ = [
     "kernel_isa",
     "kernel_isas",
     "set_kernel_isa",
+    "vec_abs_sum_max",
+    "vec_add_scaled",
+    "vec_axpy",
+    "vec_dot",
+    "vec_dots",
+    "vec_lincomb",
+    "vec_scale",
 ]
 
 _OptimizerName: TypeAlias = Literal["sgd", "momentum", "nesterov", "adagrad", "adam"]
@@ -230,3 +237,30 @@ class Int8Codec:
         self, store: ParamStore, segment: str, payload: NDArray[np.uint8], alpha: float = 1.0
     ) -> int: ...
     def compression_ratio(self) -> float: ...
+
+# -- float64 vector kernels of Sandblaster L-BFGS (run by each PS shard on its slice) --------
+
+def vec_dot(a: NDArray[np.float64], b: NDArray[np.float64]) -> float:
+    """``a · b``."""
+
+def vec_dots(a: Sequence[NDArray[np.float64]], b: Sequence[NDArray[np.float64]]) -> list[float]:
+    """``[a[i] · b[i] for i]``, with the GIL released once."""
+
+def vec_axpy(alpha: float, x: NDArray[np.float64], y: NDArray[np.float64]) -> None:
+    """``y += alpha · x`` in place."""
+
+def vec_scale(alpha: float, x: NDArray[np.float64]) -> None:
+    """``x *= alpha`` in place."""
+
+def vec_add_scaled(
+    out: NDArray[np.float64], x: NDArray[np.float64], alpha: float, y: NDArray[np.float64]
+) -> None:
+    """``out = x + alpha · y`` (``out`` must be another array than ``x`` and ``y``)."""
+
+def vec_lincomb(
+    out: NDArray[np.float64], coeffs: Sequence[float], vectors: Sequence[NDArray[np.float64]]
+) -> None:
+    """``out = Σ coeffs[i] · vectors[i]``, summed in the order given."""
+
+def vec_abs_sum_max(x: NDArray[np.float64]) -> tuple[float, float]:
+    """``(Σ |x_i|, max |x_i|)``; the max is NaN if any element is NaN."""

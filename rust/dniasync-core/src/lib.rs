@@ -4,6 +4,8 @@
 //!   optimizers applied in place, optional backing by shared memory.
 //! - [`quant`]: threshold (Strom), 1-bit with error feedback (Seide) and 8-bit blockwise
 //!   gradient codecs, each appliable to a store without a dense intermediate.
+//! - [`vecops`]: float64 vector kernels (dot, axpy, linear combinations) that Sandblaster
+//!   L-BFGS runs on each PS shard's slice.
 //!
 //! Nothing in this crate knows about Python; `dniasync-py` converts.
 
@@ -15,6 +17,7 @@ pub mod quant;
 pub mod shm;
 mod simd;
 pub mod store;
+pub mod vecops;
 
 pub use error::{CoreError, Result};
 pub use grad::{Dense, GradSource};

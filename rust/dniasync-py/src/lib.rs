@@ -11,6 +11,7 @@ mod int8;
 mod onebit;
 mod store;
 mod threshold;
+mod vecops;
 
 /// Instruction set the kernels run with now: "avx512", "avx2" or "base".
 #[pyfunction]
@@ -54,6 +55,13 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernel_isa, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_isas, m)?)?;
     m.add_function(wrap_pyfunction!(set_kernel_isa, m)?)?;
+    m.add_function(wrap_pyfunction!(vecops::vec_dot, m)?)?;
+    m.add_function(wrap_pyfunction!(vecops::vec_dots, m)?)?;
+    m.add_function(wrap_pyfunction!(vecops::vec_axpy, m)?)?;
+    m.add_function(wrap_pyfunction!(vecops::vec_scale, m)?)?;
+    m.add_function(wrap_pyfunction!(vecops::vec_add_scaled, m)?)?;
+    m.add_function(wrap_pyfunction!(vecops::vec_lincomb, m)?)?;
+    m.add_function(wrap_pyfunction!(vecops::vec_abs_sum_max, m)?)?;
     m.add_class::<store::ParamStore>()?;
     m.add_class::<threshold::ThresholdCodec>()?;
     m.add_class::<onebit::OneBitCodec>()?;
