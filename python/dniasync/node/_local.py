@@ -4,7 +4,16 @@ Starts the coordinator, the PS shards and the replicas (or Hogwild workers)
 as child processes on loopback, shows a progress bar with live held-out
 accuracy and samples/s, prints the summary, and stops every child on exit,
 on Ctrl-C and on SIGTERM. Children's logs go to ``<output_dir>/logs/``; their
-pids and addresses to ``<output_dir>/cluster.json``.
+pids and addresses to ``<output_dir>/cluster.json`` (what ``python -m dniasync.chaos`` reads).
+
+The launcher supervises its children: a PS process that dies is started again
+on its address (its shard comes back from the last snapshot); a replica's
+process that dies, or that the job declared dead while it still runs (frozen,
+cut off), is started again on a new address and joins as a new replica. At
+most :data:`RESTART_LIMIT` restarts of one process in :data:`RESTART_WINDOW_S`;
+past that the job fails naming the process and its log. With
+``DNIASYNC_CHAOS_PROXY=1`` every PS shard is reached through a fault proxy
+(:mod:`dniasync.chaos`) that the chaos tool drives.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,9 +31,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..actors import ActorError, ActorSystem
+from ..chaos import PROXY_ENV, ChaosControl
 from ..cluster.config import Config, ConfigError, load_config
-from ..remote import WebSocketTransport
 from ..cluster.modes import get_mode
+from ..cluster.modes._data_parallel import WORKER_HOST, replica_name
+from ..remote import WebSocketTransport
 from ..cluster.protocol import COORDINATOR_NAME, JobStatus, JobStatusReply
 
 __all__ = ["run_local"]
@@ -59,19 +71,31 @@ class _Child:
     proc: asyncio.subprocess.Process
     log: Path
     address: str = ""
+    slot: str = ""
+    """``ps0``, ``worker1``: what a restarted process replaces; its restarts are counted under it."""
+    listen: str = ""
+    """The address the process binds when it differs from ``address`` (behind a fault proxy)."""
 
 
 @dataclass
 class _Cluster:
     out: Path
     children: list[_Child] = field(default_factory=list)
+    state: str = "starting"
+    chaos: ChaosControl | None = None
 
     def describe(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
+            "launcher_pid": os.getpid(),
+            "state": self.state,
             "children": [
-                {"role": c.role, "pid": c.proc.pid, "address": c.address, "log": str(c.log)} for c in self.children
-            ]
+                {"role": c.role, "slot": c.slot, "pid": c.proc.pid, "address": c.address,
+                 "listen": c.listen or c.address, "log": str(c.log)} for c in self.children
+            ],
         }
+        if self.chaos is not None:
+            doc["chaos"] = self.chaos.describe()
+        return doc
 
     def write_files(self, job: str) -> None:
         """``cluster.json``, and the Prometheus file-SD targets of every child listening so far."""
@@ -117,6 +141,13 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+def _free_address() -> str:
+    """A loopback address nobody listens on now (for a process that sits behind a fault proxy)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
 async def _spawn(cluster: _Cluster, role: str, index: int, args: list[str], log: Path | None = None) -> _Child:
     logs = cluster.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -127,7 +158,7 @@ async def _spawn(cluster: _Cluster, role: str, index: int, args: list[str], log:
         env=_child_env(), start_new_session=True,  # Ctrl-C reaches the launcher, which stops the children
         preexec_fn=_end_with_launcher,
     )
-    child = _Child(role, proc, log)
+    child = _Child(role, proc, log, slot=f"{role}{index}")
     cluster.children.append(child)
     return child
 
@@ -182,6 +213,93 @@ def _summary(config: Config, status: JobStatusReply, out: IO[str]) -> None:
     print(f"  plot               {Path(status.summary).with_name('accuracy.png')}", file=out)
 
 
+class _Supervisor:
+    """Starts the job's PS and worker processes, and starts again those that die, each in its slot."""
+
+    def __init__(self, cluster: _Cluster, config: Config, join: list[str], out: IO[str],
+                 pumps: list[asyncio.Task[None]]) -> None:
+        self.cluster = cluster
+        self.config = config
+        self.join = join
+        self.out = out
+        self.pumps = pumps
+        self.restarts = _Restarts()
+        self.restart_workers = get_mode(config.mode).member_kind == "replica"
+        """Data-parallel workers come back as new replicas; a pipeline's stages are not restarted yet."""
+        self._seen_alive: set[int] = set()
+        """pids of workers whose replica the job has reported alive."""
+
+    def _listening_at(self, child: _Child) -> asyncio.Future[str]:
+        def noted(future: asyncio.Future[str]) -> None:
+            if not future.cancelled() and future.exception() is None:
+                child.address = future.result()
+                self.cluster.write_files(self.config.job.name)
+
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(noted)
+        return future
+
+    async def start(self, role: str, index: int, *, log: Path | None = None,
+                    listen: str = "", address: str = "") -> _Child:
+        """Start ``role`` number ``index``; a PS behind a fault proxy when the chaos proxies are on."""
+        args = list(self.join)
+        chaos = self.cluster.chaos
+        if role == "ps" and chaos is not None:
+            listen = listen or _free_address()
+            proxy = chaos.proxies.get(f"ps{index}") or await chaos.add(f"ps{index}", listen)
+            args += ["--listen", listen, "--advertise", proxy.address]
+        elif listen:
+            args += ["--listen", listen]
+        child = await _spawn(self.cluster, role, index, args, log=log)
+        child.listen, child.address = listen, address
+        self.pumps.append(asyncio.create_task(_pump(child, None if address else self._listening_at(child))))
+        return child
+
+    async def check(self, status: JobStatusReply | None) -> str | None:
+        """Restart what died (and replicas the job declared dead); an error naming a process that keeps failing."""
+        if status is not None:
+            self._kill_zombies(status)
+        for child in list(self.cluster.children):
+            if child.role == "coordinator" or child.proc.returncode is None:
+                continue
+            if child.role != "ps" and not self.restart_workers:
+                continue
+            if not self.restarts.allow(child.slot):
+                return (f"{child.role} process {child.slot} ({child.address}) keeps failing ({RESTART_LIMIT} restarts "
+                        f"in {RESTART_WINDOW_S:.0f} s); see {child.log}")
+            await self._restart(child)
+        return None
+
+    def _kill_zombies(self, status: JobStatusReply) -> None:
+        """A worker whose replica the job declared dead while the process runs (it was frozen or cut off) is
+        fenced for good: end it, so that it is started again as a new replica instead of training for nothing."""
+        for child in self.cluster.children:
+            if child.role != "worker" or not child.address or child.proc.returncode is not None:
+                continue
+            state = status.replicas.get(replica_name(f"{WORKER_HOST}@{child.address}"))
+            if state == "alive":
+                self._seen_alive.add(child.proc.pid)
+            elif state == "dead" and child.proc.pid in self._seen_alive and self.restart_workers:
+                print(f"\nreplica of worker {child.slot} ({child.address}) was declared dead while its process runs; "
+                      f"restarting it (see {child.log})", file=self.out, flush=True)
+                child.proc.kill()
+
+    async def _restart(self, child: _Child) -> None:
+        index = self.cluster.children.index(child)
+        print(f"\n{child.role} process {child.slot} ({child.address}) exited ({child.proc.returncode}); restarting it "
+              f"(see {child.log})", file=self.out, flush=True)
+        n = len(self.restarts.times.get(child.slot, []))
+        log = self.cluster.out / "logs" / f"{child.slot}.restart{n}.log"
+        slot = int(child.slot.removeprefix(child.role))
+        if child.role == "ps":  # on its address: the replicas' refs to the shard stay valid
+            again = await self.start("ps", slot, log=log, listen=child.listen or child.address, address=child.address)
+        else:  # on a new address: a new replica (the old one is fenced on the PS shards)
+            again = await self.start(child.role, slot, log=log)
+        self.cluster.children.remove(again)  # _spawn appended it: it takes the dead one's place instead
+        self.cluster.children[index] = again
+        self.cluster.write_files(self.config.job.name)
+
+
 async def _run(config_path: str, config: Config, out: IO[str], resume: bool) -> int:
     cluster = _Cluster(Path(config.output_dir))
     cluster.out.mkdir(parents=True, exist_ok=True)
@@ -192,46 +310,22 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool) -> 
     pumps: list[asyncio.Task[None]] = []
     interactive = out.isatty()
     try:
+        if os.environ.get(PROXY_ENV, "") not in ("", "0"):
+            cluster.chaos = ChaosControl()
+            await cluster.chaos.start()
         coordinator = await _spawn(cluster, "coordinator", 0, ["--config", config_path, "--listen", "127.0.0.1:0",
                                                                *(["--resume"] if resume else [])])
         listening: asyncio.Future[str] = loop.create_future()
         pumps.append(asyncio.create_task(_pump(coordinator, listening)))
         coordinator.address = await asyncio.wait_for(listening, STARTUP_TIMEOUT_S)
-        join = ["--join", coordinator.address]
-
-        def listening_at(child: _Child) -> asyncio.Future[str]:
-            def noted(future: asyncio.Future[str]) -> None:
-                if not future.cancelled() and future.exception() is None:
-                    child.address = future.result()
-                    cluster.write_files(config.job.name)
-
-            future: asyncio.Future[str] = loop.create_future()
-            future.add_done_callback(noted)
-            return future
 
         mode = get_mode(config.mode)
         n_ps, n_workers = mode.processes(config)
-        restarts = _Restarts()
+        supervisor = _Supervisor(cluster, config, ["--join", coordinator.address], out, pumps)
         for i in range(n_ps):
-            child = await _spawn(cluster, "ps", i, join)
-            pumps.append(asyncio.create_task(_pump(child, listening_at(child))))
-
-        async def restart_ps(child: _Child) -> None:
-            """A PS process died: start it again on its address; its shard comes back from the last snapshot."""
-            index = cluster.children.index(child)
-            print(f"\nPS process {child.address} exited ({child.proc.returncode}); restarting it "
-                  f"(see {child.log})", file=out, flush=True)
-            n = len(restarts.times.get(child.address, []))
-            again = await _spawn(cluster, "ps", index, [*join, "--listen", child.address],
-                                 log=child.log.with_name(f"{child.log.stem}.restart{n}.log"))
-            again.address = child.address
-            cluster.children.remove(again)  # _spawn appended it: it takes the dead one's place instead
-            cluster.children[index] = again
-            pumps.append(asyncio.create_task(_pump(again, None)))
-            cluster.write_files(config.job.name)
+            await supervisor.start("ps", i)
         for i in range(n_workers):
-            child = await _spawn(cluster, "worker", i, join)
-            pumps.append(asyncio.create_task(_pump(child, listening_at(child))))
+            await supervisor.start("worker", i)
         cluster.write_files(config.job.name)
         print(f"{config.job.name}: coordinator on {coordinator.address}, {n_ps} PS shard(s), "
               f"{n_workers} {mode.worker_kind}(s); "
@@ -247,16 +341,19 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool) -> 
                     print(f"\nerror: the coordinator exited ({coordinator.proc.returncode}); see {coordinator.log}",
                           file=sys.stderr)
                     return 1
-                for child in [c for c in cluster.children if c.role == "ps" and c.proc.returncode is not None]:
-                    if not restarts.allow(child.address):
-                        print(f"\nerror: PS process {child.address} keeps failing ({RESTART_LIMIT} restarts in "
-                              f"{RESTART_WINDOW_S:.0f} s); see {child.log}", file=sys.stderr)
-                        return 1
-                    await restart_ps(child)
                 try:
                     status = await trainer.ask(JobStatus(), timeout=5.0)
                 except ActorError:
                     status = None
+                if status is None or status.state not in ("finished", "failed"):
+                    failing = await supervisor.check(status)
+                    if failing is not None:
+                        print(f"\nerror: {failing}", file=sys.stderr)
+                        cluster.state = "failed"
+                        return 1
+                if status is not None and status.state != cluster.state:
+                    cluster.state = status.state
+                    cluster.write_files(config.job.name)
                 if status is not None and status.state != "waiting":
                     line = _bar(status)
                     if interactive:
@@ -272,6 +369,8 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool) -> 
                 except TimeoutError:
                     pass
             print("\ninterrupted: stopping the cluster", file=out, flush=True)
+            cluster.state = "stopping"
+            cluster.write_files(config.job.name)
             await cluster.stop()  # the coordinator writes the summary of what ran as it stops
             written = Path(config.output_dir) / "summary.json"
             if written.exists():
@@ -281,7 +380,12 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool) -> 
                 print(f"  summary            {written}", file=out, flush=True)
             return 130
     finally:
+        if cluster.state not in ("finished", "failed"):
+            cluster.state = "stopped"
+        cluster.write_files(config.job.name)
         await cluster.stop()
+        if cluster.chaos is not None:
+            await cluster.chaos.close()
         for pump in pumps:
             pump.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)

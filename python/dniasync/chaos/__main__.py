@@ -1,0 +1,5 @@
+import sys
+
+from ._tool import main
+
+sys.exit(main())

@@ -1,0 +1,269 @@
+"""``python -m dniasync.chaos``: faults on a seeded schedule against a job the local launcher runs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Final
+
+__all__ = ["FAULTS", "Chaos", "main", "process_resources"]
+
+FAULTS: Final = ("kill_ps", "kill_replica", "freeze", "reset", "blackhole", "delay")
+"""Every fault the tool injects; ``reset``, ``blackhole`` and ``delay`` need the launcher's proxies."""
+LINK_FAULTS: Final = ("reset", "blackhole", "delay")
+RUNNING: Final = ("starting", "waiting", "training")
+_TASKS = re.compile(r"^dniasync_node_asyncio_tasks (\S+)$", re.M)
+
+
+def process_resources(pid: int, metrics_at: str = "") -> dict[str, float] | None:
+    """Open fds and RSS of ``pid`` (from /proc), and its asyncio tasks (from ``metrics_at``'s /metrics)."""
+    try:
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    doc: dict[str, float] = {"open_fds": fds, "rss_bytes": pages * os.sysconf("SC_PAGE_SIZE")}
+    if metrics_at:
+        try:
+            with urllib.request.urlopen(f"http://{metrics_at}/metrics", timeout=5.0) as resp:
+                match = _TASKS.search(resp.read().decode())
+            if match:
+                doc["asyncio_tasks"] = float(match.group(1))
+        except OSError:
+            pass
+    return doc
+
+
+@dataclass
+class Chaos:
+    """One chaos run against the job whose launcher writes ``job_dir/cluster.json``."""
+
+    job_dir: Path
+    faults: Sequence[str] = FAULTS
+    seed: int = 0
+    first_s: float = 20.0
+    every_s: float = 20.0
+    count: int | None = None
+    freeze_s: float = 10.0
+    blackhole_s: float = 5.0
+    delay_ms: float = 100.0
+    delay_s: float = 10.0
+    settle_s: float = 15.0
+    wait_s: float = 300.0
+    log_path: Path | None = None
+    out: IO[str] = sys.stdout
+    rng: random.Random = field(init=False)
+    injected: list[dict[str, Any]] = field(default_factory=list)
+    _frozen: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        unknown = [f for f in self.faults if f not in FAULTS]
+        if unknown:
+            raise ValueError(f"unknown fault(s) {unknown}; known: {', '.join(FAULTS)}")
+        self.rng = random.Random(self.seed)
+        self.log_path = self.log_path or self.job_dir / "chaos.jsonl"
+        self._t0 = time.monotonic()
+
+    # -- the job ------------------------------------------------------------------
+    def cluster(self) -> dict[str, Any]:
+        try:
+            doc: dict[str, Any] = json.loads((self.job_dir / "cluster.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return doc
+
+    def running(self) -> bool:
+        doc = self.cluster()
+        return doc.get("state") in RUNNING and _alive(int(doc.get("launcher_pid", 0)))
+
+    def record(self, kind: str, **details: Any) -> dict[str, Any]:
+        entry = {"time": time.time(), "at_s": round(time.monotonic() - self._t0, 3), "kind": kind, **details}
+        assert self.log_path is not None
+        with self.log_path.open("a") as fh:
+            fh.write(json.dumps(entry) + "\n")
+        print(json.dumps(entry), file=self.out, flush=True)
+        return entry
+
+    def resources(self) -> dict[str, dict[str, Any]]:
+        """Resources of the launcher and every child now, by pid."""
+        doc = self.cluster()
+        out: dict[str, dict[str, Any]] = {}
+        launcher = int(doc.get("launcher_pid", 0))
+        procs = [("launcher", "launcher", launcher, "")] + [
+            (c["role"], c.get("slot", c["role"]), int(c["pid"]), c.get("listen", c["address"]))
+            for c in doc.get("children", [])]
+        for role, slot, pid, address in procs:
+            if pid in self._frozen:
+                continue
+            found = process_resources(pid, address)
+            if found is not None:
+                out[str(pid)] = {"role": role, "slot": slot, **found}
+        return out
+
+    # -- faults -------------------------------------------------------------------
+    async def inject(self, kind: str) -> dict[str, Any]:
+        doc = self.cluster()
+        children = [c for c in doc.get("children", []) if c["role"] != "coordinator" and _alive(int(c["pid"]))]
+        if kind in ("kill_ps", "kill_replica"):
+            role = "ps" if kind == "kill_ps" else "worker"
+            targets = [c for c in children if c["role"] == role and int(c["pid"]) not in self._frozen]
+            if not targets:
+                return self.record("skipped", fault=kind, reason=f"no running {role} process")
+            child = self.rng.choice(targets)
+            os.kill(int(child["pid"]), signal.SIGKILL)
+            return self.record(kind, slot=child.get("slot"), pid=child["pid"], address=child["address"])
+        if kind == "freeze":
+            targets = [c for c in children if int(c["pid"]) not in self._frozen]
+            if not targets:
+                return self.record("skipped", fault=kind, reason="no running process")
+            child = self.rng.choice(targets)
+            pid = int(child["pid"])
+            os.kill(pid, signal.SIGSTOP)
+            self._frozen.add(pid)
+            asyncio.get_running_loop().call_later(self.freeze_s, self._thaw, pid)
+            return self.record(kind, slot=child.get("slot"), pid=pid, role=child["role"], seconds=self.freeze_s)
+        links = sorted(doc.get("chaos", {}).get("links", {}))
+        if not links:
+            raise RuntimeError(f"fault {kind} needs the launcher's fault proxies: start the job with "
+                               "DNIASYNC_CHAOS_PROXY=1 python -m dniasync.node --role local ...")
+        link = self.rng.choice(links)
+        request: dict[str, Any] = {"fault": kind, "link": link}
+        if kind == "blackhole":
+            request["seconds"] = self.blackhole_s
+        elif kind == "delay":
+            request.update(seconds=self.delay_s, delay_ms=self.delay_ms)
+        reply = await control(doc["chaos"]["control"], request)
+        return self.record(kind, **{k: v for k, v in request.items() if k != "fault"}, reply=reply)
+
+    def _thaw(self, pid: int) -> None:
+        self._frozen.discard(pid)
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            self.record("thaw", pid=pid, note="the process was gone")
+            return
+        self.record("thaw", pid=pid)
+
+    def thaw_all(self) -> None:
+        for pid in list(self._frozen):
+            self._thaw(pid)
+
+    def _duration(self, kind: str) -> float:
+        return {"freeze": self.freeze_s, "blackhole": self.blackhole_s, "delay": self.delay_s}.get(kind, 0.0)
+
+    # -- the run ------------------------------------------------------------------
+    async def run(self) -> dict[str, Any]:
+        """Wait for training, inject faults on schedule until ``count`` or the job's end; soak; a report."""
+        deadline = time.monotonic() + self.wait_s
+        while self.cluster().get("state") != "training":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no training job in {self.job_dir} after {self.wait_s:.0f} s "
+                                   "(cluster.json state is not 'training')")
+            await asyncio.sleep(0.2)
+        self._t0 = time.monotonic()
+        self.record("start", seed=self.seed, faults=list(self.faults), every_s=self.every_s, first_s=self.first_s)
+        before: dict[str, dict[str, Any]] = {}
+        last_end = 0.0
+        try:
+            k = 0
+            while self.count is None or k < self.count:
+                due = self._t0 + self.first_s + k * self.every_s
+                if not await self._sleep_while_running(due - time.monotonic()):
+                    break
+                if not before:
+                    before = self.resources()
+                kind = self.rng.choice(list(self.faults))
+                entry = await self.inject(kind)
+                if entry["kind"] != "skipped":
+                    self.injected.append(entry)
+                last_end = time.monotonic() + self._duration(kind)
+                k += 1
+            after: dict[str, dict[str, Any]] = {}
+            if self.injected and await self._sleep_while_running(last_end + self.settle_s - time.monotonic()):
+                after = self.resources()
+        finally:
+            self.thaw_all()
+        soak = {pid: {"before": before[pid], "after": after[pid]} for pid in before if pid in after}
+        self.record("soak", processes=soak)
+        return {"faults": self.injected, "soak": soak}
+
+    async def _sleep_while_running(self, seconds: float) -> bool:
+        end = time.monotonic() + max(0.0, seconds)
+        while time.monotonic() < end:
+            if not self.running():
+                return False
+            await asyncio.sleep(min(0.25, end - time.monotonic()))
+        return self.running()
+
+
+async def control(address: str, request: dict[str, Any]) -> dict[str, Any]:
+    """Send one request to a launcher's chaos control socket; its reply."""
+    host, _, port = address.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(json.dumps(request).encode() + b"\n")
+        await writer.drain()
+        reply: dict[str, Any] = json.loads(await asyncio.wait_for(reader.readline(), 10.0))
+        return reply
+    finally:
+        writer.close()
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dniasync.chaos", description=__doc__)
+    p.add_argument("--job-dir", required=True, type=Path, help="the job's output_dir (where cluster.json is)")
+    p.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, from {', '.join(FAULTS)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--first", type=float, default=20.0, help="seconds of training before the first fault")
+    p.add_argument("--every", type=float, default=20.0, help="seconds between faults")
+    p.add_argument("--count", type=int, help="stop after this many faults (default: until the job ends)")
+    p.add_argument("--freeze-s", type=float, default=10.0)
+    p.add_argument("--blackhole-s", type=float, default=5.0)
+    p.add_argument("--delay-ms", type=float, default=100.0)
+    p.add_argument("--delay-s", type=float, default=10.0)
+    p.add_argument("--settle-s", type=float, default=15.0, help="wait after the last fault before the soak check")
+    p.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the job to start training")
+    p.add_argument("--log", type=Path, help="JSON lines of faults (default <job-dir>/chaos.jsonl)")
+    p.add_argument("--report", type=Path, help="write the faults and the soak check here as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        chaos = Chaos(args.job_dir, [f.strip() for f in args.faults.split(",") if f.strip()], seed=args.seed,
+                      first_s=args.first, every_s=args.every, count=args.count, freeze_s=args.freeze_s,
+                      blackhole_s=args.blackhole_s, delay_ms=args.delay_ms, delay_s=args.delay_s,
+                      settle_s=args.settle_s, wait_s=args.wait, log_path=args.log)
+        report = asyncio.run(chaos.run())
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    if args.report:
+        args.report.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
