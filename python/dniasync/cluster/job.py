@@ -105,7 +105,7 @@ class JobRunner(Actor):
         loaded = self.resume_from
         if loaded is not None:
             specs = await self.run_blocking(durable.resumed_specs, specs, loaded)
-        self.shards = ShardKeeper(specs, self.event, lost_after_s=PS_LOST_AFTER_S)
+        self.shards = ShardKeeper(specs, self.event, lost_after_s=PS_LOST_AFTER_S, samples=self.samples)
         self._last_snapshot = time.monotonic()
         track_trainer(self.system, self)
         if loaded is not None:

@@ -43,7 +43,8 @@ class _Host:
 class ShardKeeper:
     """Where each PS shard lives and what it held at the last snapshot."""
 
-    def __init__(self, specs: list[ShardSpec], event: Callable[..., None], *, lost_after_s: float) -> None:
+    def __init__(self, specs: list[ShardSpec], event: Callable[..., None], *, lost_after_s: float,
+                 samples: Callable[[], int] = lambda: 0) -> None:
         self.specs = specs
         self.refs: list[ActorRef | None] = [None] * len(specs)
         self.snapshots: dict[int, ShardSnapshot] = {}
@@ -53,6 +54,9 @@ class ShardKeeper:
         self._hosts: dict[str, _Host] = {}
         self._down: dict[int, float] = {}
         self._seen_versions = [0] * len(specs)
+        self._samples = samples
+        self._snapshot_samples: dict[int, int] = {}
+        """The job's samples when each shard's snapshot was taken: a restart loses the updates of those since."""
 
     @property
     def placed(self) -> bool:
@@ -86,7 +90,8 @@ class ShardKeeper:
         version = max(snap.version if snap else 0, self._seen_versions[k]) + 1
         self.restarts += 1
         self._event(EVENT_PS_RESTARTED, shard=k, host=member, version=version,
-                    snapshot_version=snap.version if snap else -1)
+                    snapshot_version=snap.version if snap else -1,
+                    samples_since_snapshot=self._samples() - self._snapshot_samples.get(k, 0))
         if snap is None:  # never snapshotted: its initial values, its updates lost
             log.warning("PS shard %d restarts on %s from its initial values (no snapshot yet)", k, member)
             resume = ShardResume(version, [], {}, [])
@@ -133,11 +138,13 @@ class ShardKeeper:
             return await ref.ask(SnapshotShard(), timeout=timeout_s)
 
         live = [ref for ref in self.refs if ref is not None and ref.is_alive]
+        samples = self._samples()
         replies = await asyncio.gather(*(one(ref) for ref in live), return_exceptions=True)
         taken = 0
         for ref, reply in zip(live, replies):
             if isinstance(reply, ShardSnapshot):
                 self.snapshots[reply.shard] = reply
+                self._snapshot_samples[reply.shard] = samples
                 self.note_version(reply.shard, reply.version)
                 taken += 1
             elif isinstance(reply, ActorError | TimeoutError):

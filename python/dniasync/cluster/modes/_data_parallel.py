@@ -120,7 +120,7 @@ class DataParallelJob:
             if old is not None:
                 self._declare_dead(name, "joined again with a new incarnation")
             free = [s for s, owner in self.owners.items() if owner is None]
-            shards = {free[0]} if free else set()
+            shards = {free[0]} if free else self._take_one_for(name)
             for s in shards:
                 self.owners[s] = name
             self.replicas[name] = _Replica(join.member, join.incarnation, now, shards, last_seen=now)
@@ -185,6 +185,26 @@ class DataParallelJob:
             self.owners[shard] = None
         state.shards = set()
         self._reassign()
+
+    def _take_one_for(self, name: str) -> set[int]:
+        """A data shard for a joining replica when none is free: one from the live replica with the most, if it has
+        two or more (a replica restarted after a failure gets back the share the survivors took over)."""
+        alive = [(n, r) for n, r in self.replicas.items() if r.status == "alive" and len(r.shards) >= 2]
+        if not alive:
+            return set()
+        donor_name, donor = max(alive, key=lambda item: (len(item[1].shards), item[0]))
+        shard = max(donor.shards)
+        donor.shards.discard(shard)
+        self.runner.event(EVENT_SHARD_REASSIGNED, shard=shard, to=name, epoch=self.cursors[shard].epoch,
+                          position=self.cursors[shard].position)
+        if donor.ref is not None:
+            cursors = [[self.cursors[s].shard, self.cursors[s].epoch, self.cursors[s].position]
+                       for s in sorted(donor.shards)]
+            try:
+                donor.ref.tell_nowait(Shards(cursors))
+            except ActorError as exc:
+                log.warning("could not take shard %d from %s: %s", shard, donor_name, exc)
+        return {shard}
 
     def _reassign(self) -> None:
         orphans = [s for s, owner in self.owners.items() if owner is None]
