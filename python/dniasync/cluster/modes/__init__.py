@@ -167,8 +167,9 @@ def _modes() -> dict[str, Mode]:
     from .downpour import DOWNPOUR
     from .hogwild import HOGWILD
     from .pipeline import PIPELINE
+    from .sandblaster import SANDBLASTER
 
-    return {mode.name: mode for mode in (DOWNPOUR, HOGWILD, PIPELINE)}
+    return {mode.name: mode for mode in (DOWNPOUR, HOGWILD, PIPELINE, SANDBLASTER)}
 
 
 MODES: dict[str, Mode] = _modes()
