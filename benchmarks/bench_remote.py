@@ -7,7 +7,9 @@ Run: python benchmarks/bench_remote.py [--quick] [--profile]
   process, asked from this one) vs a bare aiohttp websocket echo (the floor:
   same library, same loop, no actors, no codec) vs a Ray actor method call.
 - tensor throughput: one-way 4 MiB float32 tensors from this process to the
-  other, until the receiver has handled them all. dniasync ``tell`` vs
+  other, until the receiver has handled them all. dniasync ``tell`` through
+  the same-host shared-memory ring (the default between two processes on one
+  host) and through the socket (``RemoteSettings(shm=False)``) vs
   torch.distributed ``send``/``recv`` over gloo.
 
 Ray is installed for the benchmark only (``pip install ray``); without it
@@ -15,7 +17,8 @@ that row is skipped. ``--profile`` also writes where the time of an ask goes
 (cProfile of both ends in one process) to results/bench_remote_profile.txt.
 The metrics-on ask times every ask into the latency histogram and scrapes
 both nodes meanwhile. Ratios (bigger is better): ask_vs_bare_ws, ask_vs_ray,
-tensor_throughput_vs_gloo, remote_ask_metrics_on_vs_off.
+tensor_throughput_vs_gloo (shared memory), tensor_socket_throughput_vs_gloo,
+remote_ask_metrics_on_vs_off.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import numpy as np
 
 from dniasync import ActorSystem
 from dniasync.node.demo import Echo, Ping, Sum, Tensor
-from dniasync.remote import WebSocketTransport
+from dniasync.remote import RemoteSettings, WebSocketTransport
 from dniasync.runtime import loop_factory
 
 MIB = 1 << 20
@@ -211,10 +214,10 @@ def ray_ask(n: int) -> float | None:
 # -- tensor throughput -------------------------------------------------------------------
 
 
-async def dniasync_tensors(address: str, n: int, mib: int) -> float:
+async def dniasync_tensors(address: str, n: int, mib: int, shm: bool = True) -> float:
     data = np.random.default_rng(0).standard_normal(mib * MIB // 4).astype(np.float32)
     msg = Tensor(data)
-    async with ActorSystem() as system, WebSocketTransport(system):
+    async with ActorSystem() as system, WebSocketTransport(system, settings=RemoteSettings(shm=shm)) as node:
         sink = system.ref(f"sum@{address}")
         for _ in range(3):
             await sink.tell(msg)
@@ -225,6 +228,8 @@ async def dniasync_tensors(address: str, n: int, mib: int) -> float:
         handled = await sink.ask(Ping(0), timeout=120)  # after every tell: all were handled
         elapsed = time.perf_counter() - start
         assert handled - before == n, (handled, before)
+        went = node.counters.shm_frames_out
+        assert (went >= n) if shm else went == 0, f"{went} of {n} tensors went through shared memory"
         return n * data.nbytes / elapsed
 
 
@@ -341,7 +346,7 @@ def main() -> None:
     logging.getLogger("dniasync").setLevel(logging.ERROR)  # peers going away at the end are expected
     n_ask, n_ray, n_tensor, repeats = (3_000, 500, 40, 1) if args.quick else (20_000, 3_000, 250, 3)
     results: dict[str, float] = {}
-    bare, dni, dni_tensor, gloo, bare_tensor = [], [], [], [], []
+    bare, dni, dni_tensor, dni_socket, gloo, bare_tensor = [], [], [], [], [], []
     dni_metrics: list[float] = []
     with child(dniasync_node()) as (_, node), child([sys.executable, __file__, "--serve-ws"]) as (_, ws):
         for _ in range(repeats + 2):  # interleaved, so drift on a shared machine hits both alike; best of
@@ -351,17 +356,22 @@ def main() -> None:
         for _ in range(repeats):
             gloo.append(gloo_tensors(n_tensor, 4))
             dni_tensor.append(run_async(dniasync_tensors(node, n_tensor, 4)))
+            dni_socket.append(run_async(dniasync_tensors(node, n_tensor, 4, shm=False)))
             bare_tensor.append(run_async(bare_ws_tensors(ws, n_tensor, 4)))
     ray_rate = ray_ask(n_ray)
     results["bare_ws_ask_per_s"] = max(bare)
     results["dniasync_ask_per_s"] = max(dni)
     results["dniasync_ask_metrics_per_s"] = max(dni_metrics)
     results["dniasync_tensor_bytes_per_s"] = max(dni_tensor)
+    results["dniasync_socket_tensor_bytes_per_s"] = max(dni_socket)
     results["gloo_tensor_bytes_per_s"] = max(gloo)
     results["bare_ws_tensor_bytes_per_s"] = max(bare_tensor)
     ratios = {
         "ask_vs_bare_ws": results["dniasync_ask_per_s"] / results["bare_ws_ask_per_s"],
         "tensor_throughput_vs_gloo": results["dniasync_tensor_bytes_per_s"] / results["gloo_tensor_bytes_per_s"],
+        "tensor_socket_throughput_vs_gloo": (
+            results["dniasync_socket_tensor_bytes_per_s"] / results["gloo_tensor_bytes_per_s"]
+        ),
         "remote_ask_metrics_on_vs_off": results["dniasync_ask_metrics_per_s"] / results["dniasync_ask_per_s"],
     }
     rows = [
@@ -378,8 +388,10 @@ def main() -> None:
         ("4 MiB tensors: gloo send/recv", f"{results['gloo_tensor_bytes_per_s'] / 1e9:.2f} GB/s", "1.00 (reference)"),
         ("4 MiB tensors: bare aiohttp ws", f"{results['bare_ws_tensor_bytes_per_s'] / 1e9:.2f} GB/s",
          f"{results['bare_ws_tensor_bytes_per_s'] / results['gloo_tensor_bytes_per_s']:.2f} of gloo"),
-        ("4 MiB tensors: dniasync tell", f"{results['dniasync_tensor_bytes_per_s'] / 1e9:.2f} GB/s",
+        ("4 MiB tensors: dniasync tell, shared memory", f"{results['dniasync_tensor_bytes_per_s'] / 1e9:.2f} GB/s",
          f"{ratios['tensor_throughput_vs_gloo']:.2f} of gloo"),
+        ("4 MiB tensors: dniasync tell, socket", f"{results['dniasync_socket_tensor_bytes_per_s'] / 1e9:.2f} GB/s",
+         f"{ratios['tensor_socket_throughput_vs_gloo']:.2f} of gloo"),
     ]
     _common.say(_common.table(rows, ("system", "rate", "ratio")))
     path = _common.write("bench_remote", args.quick, results, ratios)
@@ -406,10 +418,10 @@ def _plot(results: dict[str, float], path: Path) -> None:
     left.bar(list(shown), list(shown.values()), color=["grey", "tab:blue", "tab:orange"][: len(shown)])
     left.set_ylabel("round trips / s")
     left.set_title("small ask, two processes")
-    right.bar(["gloo", "bare ws", "dniasync"], [results["gloo_tensor_bytes_per_s"] / 1e9,
-                                                results["bare_ws_tensor_bytes_per_s"] / 1e9,
-                                                results["dniasync_tensor_bytes_per_s"] / 1e9],
-              color=["grey", "silver", "tab:blue"])
+    right.bar(["gloo", "bare ws", "dniasync\nsocket", "dniasync\nshm"],
+              [results["gloo_tensor_bytes_per_s"] / 1e9, results["bare_ws_tensor_bytes_per_s"] / 1e9,
+               results["dniasync_socket_tensor_bytes_per_s"] / 1e9, results["dniasync_tensor_bytes_per_s"] / 1e9],
+              color=["grey", "silver", "tab:cyan", "tab:blue"])
     right.set_ylabel("GB/s")
     right.set_title("4 MiB float32 tensors, one way")
     fig.tight_layout()

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..actors import ActorRef, message_spec
 from ._errors import DecodeError
+from ._shm import PeerRing
 from ._validate import message_schema as _schema
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "OP_PART",
     "OP_PING",
     "OP_REPLY",
+    "OP_SHM",
     "OP_TELL",
     "VERSION",
     "Decoder",
@@ -51,12 +53,16 @@ __all__ = [
 ]
 
 VERSION: Final = 1
-OP_TELL, OP_ASK, OP_REPLY, OP_FAIL, OP_PING, OP_PART = 1, 2, 3, 4, 5, 6
-_MESSAGE_OPS: Final = frozenset({OP_TELL, OP_ASK, OP_REPLY, OP_FAIL, OP_PING})
+OP_TELL, OP_ASK, OP_REPLY, OP_FAIL, OP_PING, OP_PART, OP_SHM = 1, 2, 3, 4, 5, 6, 7
+_MESSAGE_OPS: Final = frozenset({OP_TELL, OP_ASK, OP_REPLY, OP_FAIL, OP_PING, OP_SHM})
 FLAG_STREAMED: Final = 1
+FLAG_SHM: Final = 2
+"""The payload is in the sender's shared-memory ring; ``SHM_TRAILER`` after the header says where."""
 
 FRAME_PREFIX: Final = struct.Struct("<BBHIIQ")
 PART_PREFIX: Final = struct.Struct("<BBHI")
+SHM_TRAILER: Final = struct.Struct("<QQ")
+"""Offset of the payload in the ring, ring position after it."""
 _pack_prefix = FRAME_PREFIX.pack
 _unpack_prefix = FRAME_PREFIX.unpack_from
 
@@ -130,6 +136,11 @@ class Encoded:
         if not self.buffers:
             return prefix + self.header
         return b"".join((prefix, self.header, *self.buffers))
+
+    def in_ring(self, op: int, offset: int, mark: int) -> bytes:
+        """The frame as one websocket message whose payload was placed in the shared-memory ring."""
+        prefix = _pack_prefix(VERSION, op, FLAG_SHM, len(self.header), 0, self.payload_len)
+        return b"".join((prefix, self.header, SHM_TRAILER.pack(offset, mark)))
 
     def messages(self, op: int, stream_id: int, part_bytes: int) -> Iterator[bytes]:
         """The websocket messages of this frame; ``stream_id`` is used if it is streamed."""
@@ -302,6 +313,8 @@ class Decoder:
         self._streams: dict[int, _Stream] = {}
         self._pending = 0
         self._context = _Context(resolve_ref, limits.max_depth)
+        self.ring: PeerRing | None = None
+        """The peer's shared-memory ring, once it was offered and mapped."""
 
     @property
     def pending_bytes(self) -> int:
@@ -347,6 +360,14 @@ class Decoder:
             self._streams[stream_id] = _Stream(op, data[start:end], payload_len)
             self._pending += payload_len
             return None
+        if flags & FLAG_SHM:
+            ring = self.ring
+            if ring is None:
+                raise DecodeError("shared-memory frame on a connection without a ring")
+            if size != end + SHM_TRAILER.size:
+                raise DecodeError(f"shared-memory frame: header announces {header_len} bytes, {size - start} sent")
+            offset, mark = SHM_TRAILER.unpack_from(data, end)
+            return self._finish(op, data[start:end], ring.take(offset, payload_len, mark))
         if size != end + payload_len:
             raise DecodeError(
                 f"truncated frame: prefix announces {header_len} + {payload_len} bytes, {size - start} sent"

@@ -13,7 +13,8 @@ import aiohttp
 from aiohttp import web
 
 from ..actors import ActorNotFound, ActorStopped, ActorUnreachable, MailboxFull, UnhandledMessage
-from ._codec import OP_ASK, OP_FAIL, OP_PING, OP_REPLY, OP_TELL, Decoder, Encoded, Frame, encode
+from . import _shm
+from ._codec import FLAG_SHM, OP_ASK, OP_FAIL, OP_PING, OP_REPLY, OP_SHM, OP_TELL, Decoder, Encoded, Frame, encode
 from ._errors import DecodeError, RemoteError
 
 if TYPE_CHECKING:
@@ -103,10 +104,93 @@ class Connection:
         self._draining = False
         self._drained = asyncio.Event()
         self._space = asyncio.Event()
+        self.ring: _shm.SendRing | None = None
+        """This node's shared-memory ring for payloads to the peer; used once the peer accepted it."""
+        self._ring_freed = asyncio.Event()
+        self._shm_min = transport.settings.shm_min_bytes
         self.sender: asyncio.Task[None] = transport.spawn_task(self._send_loop(), f"ws-send:{peer.node}")
+        if transport.settings.shm and _shm.available():
+            self._offer_ring()
 
     def __repr__(self) -> str:
         return f"<Connection to {self.peer.node} dialed by {self.dialer}{' closed' if self.closed else ''}>"
+
+    # -- the shared-memory ring ------------------------------------------------------
+    def _offer_ring(self) -> None:
+        try:
+            ring = _shm.SendRing(self.transport.settings.shm_ring_bytes, f"{self.transport.address}>{self.peer.node}")
+        except OSError as exc:  # no memfd here, or out of memory: the socket carries everything
+            log.debug("no shared-memory ring to %s: %s", self.peer.node, exc)
+            return
+        self.ring = ring
+        self.send_nowait(OP_SHM, encode(OP_SHM, "", 0, {"offer": ring.offer()}), bounded=False)
+
+    def _ring_fits(self, frame: Encoded) -> bool:
+        ring = self.ring
+        return (
+            ring is not None and ring.accepted and self._shm_min <= frame.payload_len <= ring.max_payload
+        )
+
+    def inline(self, op: int, frame: Encoded) -> bytes:
+        """``frame`` as one websocket message: its payload in the ring if it fits there, else inline."""
+        return (self._ring_fits(frame) and self._place(op, frame)) or frame.single(op)
+
+    def _place(self, op: int, frame: Encoded) -> bytes | None:
+        """The ring frame of ``frame`` with its payload copied into the ring; None if it has no room."""
+        assert self.ring is not None
+        placed = self.ring.place(frame.buffers, frame.payload_len)
+        counters = self.transport.counters
+        if placed is None:
+            counters.shm_fallbacks += 1
+            return None
+        counters.shm_frames_out += 1
+        counters.shm_bytes_out += frame.payload_len
+        return frame.in_ring(op, *placed)
+
+    async def _wait_ring(self, ring: _shm.SendRing) -> None:
+        """Wait for the peer to free the ring (it has read everything sent before our ``want``)."""
+        if not ring.wanted:
+            ring.wanted = True
+            self._ring_freed.clear()
+            await self.ws.send_bytes(encode(OP_SHM, "", 0, {"want": True}).single(OP_SHM))
+        while ring.wanted and not self.closed:
+            await self._ring_freed.wait()
+            self._ring_freed.clear()
+
+    def _shm_control(self, body: Any) -> None:
+        """Offers, answers and releases of the rings of this connection."""
+        ring = self.ring
+        kind: Any = ""
+        value: Any = None
+        if type(body) is dict and len(body) == 1:
+            kind, value = next(iter(body.items()))
+        if kind == "release" and ring is not None and ring.release(value):
+            self._ring_freed.set()
+        elif kind == "want" and self.decoder.ring is not None:
+            self._release(self.decoder.ring)
+        elif kind == "offer" and self.decoder.ring is None:
+            answer: dict[str, Any]
+            try:
+                if not self.transport.settings.shm:
+                    raise ValueError("shared memory is off on this node")
+                self.decoder.ring = _shm.PeerRing.open(value)
+                answer = {"accept": value["nonce"]}
+            except ValueError as exc:
+                log.debug("payloads from %s take the socket: %s", self.peer.node, exc)
+                answer = {"refuse": str(exc)}
+            self.send_nowait(OP_SHM, encode(OP_SHM, "", 0, answer), bounded=False)
+        elif kind == "accept" and ring is not None and ring.accept(value):
+            log.debug("payloads to %s go through shared memory", self.peer.node)
+        elif kind == "refuse" and ring is not None and not ring.accepted:
+            self.ring = None
+            ring.close()
+        else:
+            raise DecodeError(f"unexpected shared-memory control frame {str(body)[:80]!r}")
+
+    def _release(self, ring: _shm.PeerRing) -> None:
+        if ring.consumed != ring.acked:
+            ring.acked = ring.consumed
+            self.send_nowait(OP_SHM, encode(OP_SHM, "", 0, {"release": ring.consumed}), bounded=False)
 
     # -- sending ---------------------------------------------------------------
     async def send(self, op: int, frame: Encoded) -> None:
@@ -123,8 +207,16 @@ class Connection:
         await self._write(op, frame)
 
     def can_write_now(self, frame: Encoded) -> bool:
-        """True if ``frame`` may be written synchronously (small, nothing queued before it)."""
-        return not self.outbox and not self._draining and frame.payload_len <= self._part_bytes
+        """True if ``frame`` may be written synchronously (small on the wire, nothing queued before it)."""
+        return (
+            not self.outbox
+            and not self._draining
+            and (frame.payload_len <= self._part_bytes or self._ring_has_room(frame))
+        )
+
+    def _ring_has_room(self, frame: Encoded) -> bool:
+        ring = self.ring
+        return self._ring_fits(frame) and ring is not None and ring.has_room(frame.payload_len)
 
     async def drained(self) -> None:
         """Wait until a write that hit backpressure has been flushed."""
@@ -133,8 +225,8 @@ class Connection:
 
     def send_nowait(self, op: int, frame: Encoded, *, bounded: bool = True) -> None:
         """Write a small frame at once, or queue it; ``MailboxFull`` past ``outbox_size`` if ``bounded``."""
-        if not self.outbox and not self._draining and frame.payload_len <= self._part_bytes:
-            if not self.write_now(frame.single(op)) and op == OP_TELL:
+        if self.can_write_now(frame):
+            if not self.write_now(self.inline(op, frame)) and op == OP_TELL:
                 self.transport.counters.dropped_tells += 1
             return
         if bounded and len(self.outbox) >= self.transport.settings.outbox_size:
@@ -170,6 +262,10 @@ class Connection:
     async def _finish_send(self, coro: Coroutine[Any, Any, None], waiting: Any) -> None:
         try:
             while True:
+                if getattr(waiting, "_asyncio_future_blocking", False):
+                    # as a Task does with what a coroutine yields: else awaiting it again raises
+                    # "await wasn't used with future" while it is still pending
+                    waiting._asyncio_future_blocking = False
                 try:
                     await waiting
                 except asyncio.CancelledError:
@@ -192,7 +288,18 @@ class Connection:
     async def _write(self, op: int, frame: Encoded) -> None:
         counters = self.transport.counters
         ws = self.ws
-        if frame.payload_len <= self._part_bytes:
+        ring = self.ring
+        placed = None
+        if ring is not None and self._ring_fits(frame):
+            while not ring.has_room(frame.payload_len) and ring.in_flight and not self.closed:
+                await self._wait_ring(ring)  # the peer is reading: wait for it rather than copy twice
+            if self.closed:
+                raise ConnectionResetError("connection closed")
+            placed = self._place(op, frame)
+        if placed is not None:
+            await ws.send_bytes(placed)
+            counters.bytes_out += len(placed)
+        elif frame.payload_len <= self._part_bytes:
             data = frame.single(op)
             await ws.send_bytes(data)
             counters.bytes_out += len(data)
@@ -239,6 +346,14 @@ class Connection:
                     counters.bytes_in += len(data)
                     try:
                         frame = feed(data)
+                        if data[2] & FLAG_SHM:
+                            counters.shm_frames_in += 1
+                            ring = self.decoder.ring
+                            if ring is not None and ring.ack_due():
+                                self._release(ring)
+                        if frame is not None and frame.op == OP_SHM:
+                            self._shm_control(frame.value)
+                            continue
                     except DecodeError as exc:
                         counters.decode_errors += 1
                         reason = f"protocol error: {exc}"
@@ -339,7 +454,14 @@ class Connection:
             return
         self.closed = True
         self._space.set()
+        self._ring_freed.set()
         self.sender.cancel()
+        ring, self.ring = self.ring, None
+        if ring is not None:
+            ring.close()
+        peer_ring, self.decoder.ring = self.decoder.ring, None
+        if peer_ring is not None:
+            peer_ring.close()
         for queued in self._overflow.values():
             for _, reply in queued:
                 if reply is not None and not reply.done():

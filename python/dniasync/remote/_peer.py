@@ -180,7 +180,7 @@ class RemoteDestination:
         started = time.perf_counter() if latency is not None else 0.0  # uvloop's loop.time() is in ms
         try:
             if conn.can_write_now(frame):
-                conn.write_now(frame.single(OP_ASK))
+                conn.write_now(conn.inline(OP_ASK, frame))
             else:
                 await conn.send(OP_ASK, frame)
             value = await future
@@ -198,7 +198,7 @@ class RemoteDestination:
         try:
             conn = peer.conn or await peer.connection(self.address)
             if conn.can_write_now(frame):
-                if not conn.write_now(frame.single(OP_TELL)):
+                if not conn.write_now(conn.inline(OP_TELL, frame)):
                     raise ConnectionError("connection lost")
                 await conn.drained()  # backpressure: returns at once unless the socket is full
             else:

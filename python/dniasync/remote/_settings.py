@@ -51,6 +51,14 @@ class RemoteSettings:
     startup_grace_s: float = 30.0
     """Silence tolerated from a peer that said it is still starting (heavy imports, model
     building) instead of ``detect_s``, until it says it is ready; the longer of the two applies."""
+    shm: bool = True
+    """Carry tensor payloads through shared memory when the peer proves it runs on this host
+    (checked after auth at every connection; the socket carries everything otherwise)."""
+    shm_ring_bytes: int = 32 << 20
+    """Size of each shared-memory ring (one per connection and direction, touched only as used);
+    payloads up to half of it go through it, bigger ones and overflow take the socket."""
+    shm_min_bytes: int = 64 << 10
+    """Payloads smaller than this stay on the socket (a copy through the ring would not pay)."""
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
@@ -62,6 +70,8 @@ class RemoteSettings:
             raise ValueError("need header_timeout_s > 0 and handshake_timeout_s > 0")
         if not 1 <= self.max_connections_per_address <= self.max_connections:
             raise ValueError("need 1 <= max_connections_per_address <= max_connections")
+        if not 4096 <= self.shm_ring_bytes <= 1 << 34 or self.shm_min_bytes < 1:
+            raise ValueError("need 4096 <= shm_ring_bytes <= 16 GiB and shm_min_bytes >= 1")
 
 
 @dataclass
@@ -84,6 +94,12 @@ class RemoteCounters:
     """Unauthenticated connections closed to make room for a newer one at a cap."""
     connections_timed_out: int = 0
     """Closed because their request headers did not arrive within ``header_timeout_s``."""
+    shm_frames_out: int = 0
+    """Frames whose payload went through a shared-memory ring (counted in ``frames_out`` too)."""
+    shm_bytes_out: int = 0
+    shm_frames_in: int = 0
+    shm_fallbacks: int = 0
+    """Payloads for a peer's ring that took the socket (too big for the ring, or it was full)."""
 
     def snapshot(self) -> dict[str, int]:
         return dataclasses.asdict(self)
