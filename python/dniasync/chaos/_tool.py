@@ -66,6 +66,7 @@ class Chaos:
     rng: random.Random = field(init=False)
     injected: list[dict[str, Any]] = field(default_factory=list)
     _frozen: set[int] = field(default_factory=set)
+    _round: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.faults if f not in FAULTS]
@@ -159,6 +160,13 @@ class Chaos:
         for pid in list(self._frozen):
             self._thaw(pid)
 
+    def _next_kind(self) -> str:
+        """Faults in rounds, each a seeded shuffle of every kind: n faults in n rounds hit each kind n times."""
+        if not self._round:
+            self._round = list(self.faults)
+            self.rng.shuffle(self._round)
+        return self._round.pop()
+
     def _duration(self, kind: str) -> float:
         return {"freeze": self.freeze_s, "blackhole": self.blackhole_s, "delay": self.delay_s}.get(kind, 0.0)
 
@@ -183,7 +191,7 @@ class Chaos:
                     break
                 if not before:
                     before = self.resources()
-                kind = self.rng.choice(list(self.faults))
+                kind = self._next_kind()
                 entry = await self.inject(kind)
                 if entry["kind"] != "skipped":
                     self.injected.append(entry)

@@ -125,7 +125,8 @@ class ShardKeeper:
                 continue
             since = self._down.setdefault(k, now)
             if since == now:
-                self._event(EVENT_PS_DOWN, shard=k, address=ref.address)
+                self._event(EVENT_PS_DOWN, shard=k, address=ref.address,
+                            samples_since_snapshot=self._samples() - self._snapshot_samples.get(k, 0))
                 log.warning("PS shard %d at %s is unreachable", k, ref.address)
             elif now - since >= self._lost_after_s:
                 raise JobFailed(f"PS shard {k} at {ref.address} is down (unreachable for {now - since:.0f} s)",
