@@ -194,3 +194,109 @@ def test_local_optimizer_steps_with_torch() -> None:
     assert (opt.bytes_pushed, opt.bytes_pulled) == (0, 0)
     with pytest.raises(ValueError, match="'adam' or 'sgd'"):
         LocalOptimizer(layer.parameters(), "adagrad", lr=0.1)
+
+
+# -- compressed pulls: quantized parameter deltas from real PS shards, over a real socket ------------------------
+DELTA_N = 4000
+DELTA_TAU = 0.01
+
+
+def delta_bound(codec: str, diff: np.ndarray, block: int) -> np.ndarray:
+    """Per element, the bound DeltaCodec documents for |shard − replica| right after a delta of ``diff``."""
+    if codec == "threshold":
+        return np.full(diff.size, DELTA_TAU * (1 + 1e-5), dtype=np.float32)  # < tau, up to float32 rounding
+    padded = np.zeros(-(-diff.size // block) * block, dtype=np.float32)
+    padded[:diff.size] = np.abs(diff)
+    block_max = np.repeat(padded.reshape(-1, block).max(axis=1), block)[:diff.size]
+    return block_max / 254 * 1.001 + 1e-7 if codec == "int8" else block_max * 1.001 + 1e-7
+
+
+async def dense(shard: ActorRef) -> Params:
+    reply = await shard.ask(Pull(), timeout=10.0)
+    assert isinstance(reply, Params)
+    return reply
+
+
+@pytest.mark.parametrize("codec", ["threshold", "int8", "onebit"])
+async def test_pulled_deltas_track_the_shard_within_the_codec_bound_and_exactly_at_each_resync(codec: str) -> None:
+    from dniasync.remote import WebSocketTransport
+    from dniasync.train.ps import PSShard
+    from dniasync.train.specs import CodecSpec, OptimizerSpec, ShardSpec
+
+    rng = np.random.default_rng(1)
+    block, resync = 64, 4
+    spec = ShardSpec(0, 0, rng.normal(0, 0.1, DELTA_N).astype(np.float32), OptimizerSpec("adagrad", 0.03),
+                     CodecSpec(codec, 0.01, block, DELTA_TAU, resync))
+    async with ActorSystem() as ps_system, ActorSystem() as worker_system:
+        async with WebSocketTransport(ps_system) as ps_node, WebSocketTransport(worker_system):
+            await ps_system.spawn(PSShard, spec, name="ps-0")
+            shard = worker_system.ref(f"ps-0@{ps_node.address}")
+            buffer = np.zeros(DELTA_N, dtype=np.float32)
+            link = ShardLink(buffer, [(0, DELTA_N)], [shard], replica="r0", incarnation=3, codec=codec, tau=0.01,
+                             block=block, delta_tau=DELTA_TAU)
+            versions: list[int] = []
+            for pull in range(1, 13):
+                before = buffer.copy()
+                if pull > 1:  # a sparse gradient: a few parameters move, as under threshold-coded pushes
+                    grad = np.zeros(DELTA_N, dtype=np.float32)
+                    hit = rng.choice(DELTA_N, 40, replace=False)
+                    grad[hit] = rng.normal(0, 0.05, hit.size)
+                    await link.push(grad, samples=32)  # same connection, same mailbox: applied before the pull
+                assert await link.pull()
+                truth = await dense(shard)
+                versions.append(link.versions[0])
+                assert link.versions[0] == truth.version  # the version of the state the answer brought
+                if pull % resync == 1:  # pulls 1, 5, 9: dense, bit for bit
+                    np.testing.assert_array_equal(buffer, truth.values)
+                else:
+                    diff = truth.values - before
+                    error = np.abs(truth.values - buffer)
+                    assert (error <= delta_bound(codec, diff, block)).all(), (pull, float(error.max()))
+                    assert not np.array_equal(buffer, before)  # the delta moved the copy
+            assert link.dense_pulls == 3 and link.delta_pulls == 9
+            assert versions == sorted(versions) and versions[-1] > versions[0]
+            assert link.bytes_pulled < link.dense_bytes_pulled == 12 * 4 * DELTA_N
+
+
+async def test_a_replica_that_missed_an_answer_or_meets_a_new_shard_gets_a_dense_pull() -> None:
+    from dniasync.train.messages import PullDelta
+    from dniasync.train.ps import PSShard
+    from dniasync.train.specs import CodecSpec, OptimizerSpec, ShardSpec
+
+    values = np.linspace(-1, 1, DELTA_N, dtype=np.float32)
+    spec = ShardSpec(0, 0, values, OptimizerSpec("adagrad", 0.05), CodecSpec("threshold", 0.01, 256, DELTA_TAU, 1000))
+    grad = np.ones(DELTA_N, dtype=np.float32)
+    async with ActorSystem() as system:
+        shard = await system.spawn(PSShard, spec, name="ps-0")
+        buffer = np.zeros(DELTA_N, dtype=np.float32)
+        link = ShardLink(buffer, [(0, DELTA_N)], [shard], replica="r0", incarnation=3, codec="threshold", tau=0.01,
+                         delta_tau=DELTA_TAU)
+        assert await link.pull() and await link.pull()
+        assert (link.dense_pulls, link.delta_pulls) == (1, 1)
+
+        # an answer the shard sent but the replica never applied (a timeout, a dropped connection)
+        await link.push(grad, samples=1)
+        await shard.ask(PullDelta("r0", 3, *link._answers[0]), timeout=10.0)
+        await link.push(grad, samples=1)
+        assert await link.pull()
+        assert (link.dense_pulls, link.delta_pulls) == (2, 1)
+        np.testing.assert_array_equal(buffer, (await dense(shard)).values)
+
+        # a new incarnation of the shard (a restart from a snapshot): the replica's echo names the old one
+        await link.push(grad, samples=1)
+        truth = await dense(shard)
+        restarted = await system.spawn(PSShard, ShardSpec(0, 0, truth.values, spec.optimizer, spec.codec),
+                                       name="ps-0-restarted")
+        link.shards[0] = restarted
+        assert await link.pull()
+        assert (link.dense_pulls, link.delta_pulls) == (3, 1)
+        np.testing.assert_array_equal(buffer, truth.values)
+        assert await link.pull()
+        assert (link.dense_pulls, link.delta_pulls) == (3, 2)
+
+        # a new incarnation of the replica that reuses its name: the shard's copy is not its own
+        again = ShardLink(buffer, [(0, DELTA_N)], [restarted], replica="r0", incarnation=4, codec="threshold",
+                          tau=0.01, delta_tau=DELTA_TAU)
+        again._answers = list(link._answers)
+        assert await again.pull()
+        assert (again.dense_pulls, again.delta_pulls) == (1, 0)

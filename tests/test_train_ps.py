@@ -7,7 +7,7 @@ import pytest
 
 from dniasync import ActorSystem
 from dniasync.train.compression import make_codec
-from dniasync.train.messages import Fence, Params, Pull, Push, ShardStats
+from dniasync.train.messages import Fence, Params, ParamsDelta, Pull, PullDelta, Push, ShardStats
 from dniasync.train.ps import PSShard
 from dniasync.train.specs import CodecSpec, OptimizerSpec, ShardSpec
 from dniasync.train.staleness import StalenessPolicy
@@ -146,3 +146,38 @@ async def test_a_shard_restarted_from_its_snapshot_continues_exactly() -> None:
         np.testing.assert_array_equal(w1, w2)
         stats = await second.ask(ShardStats())
         assert stats["rejected"]["duplicate"] == 1
+
+
+async def test_pulls_are_deltas_between_dense_resyncs_and_dense_without_a_codec() -> None:
+    opt = OptimizerSpec("sgd", 1.0)
+    async with ActorSystem() as system:
+        coded = await system.spawn(PSShard, ShardSpec(0, 0, np.zeros(N, np.float32), opt,
+                                                       CodecSpec("threshold", 0.25, 256, 0.25, 3)), name="ps-0")
+        plain = await system.spawn(PSShard, ShardSpec(1, 0, np.zeros(N, np.float32), opt), name="ps-1")
+        answers: list[ParamsDelta] = []
+        echo = (0, 0)
+        grad = np.zeros(N, np.float32)
+        grad[[1, 5]] = -0.5
+        for seq in range(1, 6):
+            await coded.tell(push(seq, grad))  # +0.5 on two elements per push
+            reply: ParamsDelta = await coded.ask(PullDelta("r0", 1, *echo))
+            answers.append(reply)
+            echo = (reply.stream, reply.seq)
+        assert [a.dense for a in answers] == [True, False, False, True, False]  # every 3rd pull dense
+        assert [a.codec for a in answers] == ["none", "threshold", "threshold", "none", "threshold"]
+        # each delta: +0.5 coded as two passes of +tau (indices ascending within a pass)
+        assert [len(a.parts) for a in answers if not a.dense] == [2, 2, 2]
+        assert [a.version for a in answers] == sorted({a.version for a in answers})  # strictly increasing
+        np.testing.assert_array_equal(answers[3].parts[0], -4 * grad)
+        codes = [np.asarray(part).view(np.uint32).tolist() for part in answers[4].parts]
+        assert codes == [[1, 5], [1, 5]]  # +tau twice at indices 1 and 5 (sign bit clear: positive)
+
+        await coded.tell(Fence("r0"))  # a fenced replica's copy is forgotten: a later echo gets a dense answer
+        after: ParamsDelta = await coded.ask(PullDelta("r0", 1, *echo))
+        assert after.dense
+        stats = await coded.ask(ShardStats())
+        assert (stats["dense_pulls"], stats["delta_pulls"]) == (3, 3)
+
+        reply = await plain.ask(PullDelta("r0", 1, 0, 0))
+        again = await plain.ask(PullDelta("r0", 1, reply.stream, reply.seq))
+        assert reply.dense and again.dense  # no codec: every answer dense, as a plain Pull

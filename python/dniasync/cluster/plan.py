@@ -23,5 +23,7 @@ def optimizer_spec(config: Config) -> OptimizerSpec:
     return OptimizerSpec(o.name, o.lr, o.momentum, o.betas, o.epsilon, o.weight_decay, o.clip_norm)
 
 
-def codec_spec(name: str, tau: float | None, block: int) -> CodecSpec:
-    return CodecSpec(name, tau if tau is not None else 1e-3, block)
+def codec_spec(name: str, tau: float | None, block: int, delta_tau: float | None = None,
+               resync_every: int = 100) -> CodecSpec:
+    return CodecSpec(name, tau if tau is not None else 1e-3, block,
+                     delta_tau if delta_tau is not None else tau if tau is not None else 1e-3, resync_every)

@@ -12,6 +12,9 @@ codec of the same kind and parameters to call ``extract`` or ``apply``.
 
 Semantics of ``threshold`` (Strom 2015): each element whose accumulated value reaches
 +-tau is sent as +-tau exactly (not +-1), the rest stays in the sender's residual.
+
+:class:`DeltaCodec` uses the same codecs the other way: a PS shard sends a replica
+quantized parameter deltas instead of its dense parameters.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ __all__ = [
     "Codec",
     "CodecName",
     "CompressedTensor",
+    "DeltaCodec",
     "Int8Codec",
     "NoneCodec",
     "OneBitCodec",
@@ -248,3 +252,71 @@ def make_codec(
     if name == "int8":
         return Int8Codec(shape, block)
     raise ValueError(f"unknown codec {name!r}: expected none, threshold, onebit or int8")
+
+
+class DeltaCodec:
+    """Parameter deltas from a PS shard to a replica, coded with one of the gradient codecs.
+
+    The shard keeps what the replica holds (``known``) and sends ``code(current - known)``;
+    both sides add the same :meth:`decode` to their copy, so the replica's parameters equal
+    the shard's ``known`` bit for bit. What a message leaves out stays in ``current - known``
+    and goes with a later one: that difference is the error feedback, so the codec's own
+    residual (threshold) or carried error (onebit) is cleared before each encode.
+
+    Right after a delta, each element of ``current - known`` is bounded by:
+
+    - ``threshold``: less than ``tau`` (passes of the codec are repeated until nothing is
+      left at or above ``tau``; each pass is one part, its indices ascending);
+    - ``int8``: half a quantization step, ``max|diff| / 254`` over the element's block
+      (plus float32 rounding);
+    - ``onebit``: ``max|diff|`` over the element's block (each sign gets its block's mean).
+
+    :meth:`encode` returns None where a dense copy is smaller (or the threshold passes
+    would exceed ``max_parts``): the shard then sends its parameters instead.
+    """
+
+    def __init__(self, name: CodecName, n: int, *, tau: float = 1e-3, block: int = 256, max_parts: int = 64) -> None:
+        if name == "none":
+            raise ValueError("parameter deltas need a quantizing codec; 'none' pulls dense parameters")
+        self.name = name
+        self.n = n
+        self.max_parts = max_parts
+        self._threshold = _core.ThresholdCodec(n, tau) if name == "threshold" else None
+        self._onebit = _core.OneBitCodec(n, block) if name == "onebit" else None
+        self._int8 = _core.Int8Codec(n, block) if name == "int8" else None
+        self._zeros = np.zeros(n, dtype=np.float32) if name == "threshold" else None
+
+    def encode(self, diff: NDArray[np.float32]) -> list[NDArray[np.uint8]] | None:
+        """The parts coding ``diff`` (float32, ``n`` elements), or None if dense is the better message."""
+        if self._threshold is not None:
+            assert self._zeros is not None
+            self._threshold.reset()
+            parts: list[NDArray[np.uint8]] = []
+            codes = self._threshold.encode(diff)
+            total = 0
+            while codes.size:
+                total += int(codes.size)
+                if total >= self.n or len(parts) == self.max_parts:
+                    return None
+                parts.append(codes.view(np.uint8))
+                codes = self._threshold.encode(self._zeros)
+            return parts
+        if self._onebit is not None:
+            self._onebit.reset()
+            return [self._onebit.encode(diff)]
+        assert self._int8 is not None
+        return [self._int8.encode(diff)]
+
+    def decode(self, parts: list[NDArray[np.uint8]]) -> NDArray[np.float32]:
+        """The dense delta ``parts`` code (what both sides add to their copy)."""
+        if self._threshold is not None:
+            out = np.zeros(self.n, dtype=np.float32)
+            for part in parts:
+                codes = _aligned_view(part, np.uint32).astype(np.uint32, copy=False)
+                out += self._threshold.decode(codes)
+            return out
+        if len(parts) != 1:
+            raise ValueError(f"a {self.name} delta is one part, got {len(parts)}")
+        core = self._onebit if self._onebit is not None else self._int8
+        assert core is not None
+        return core.decode(np.ascontiguousarray(parts[0], dtype=np.uint8).reshape(-1))

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..actors import message
 
-__all__ = ["Fence", "Params", "Progress", "Pull", "Push", "ShardSnapshot", "ShardStats", "Shards", "SnapshotShard",
+__all__ = ["Fence", "Params", "ParamsDelta", "Progress", "Pull", "PullDelta", "Push", "ShardSnapshot", "ShardStats", "Shards", "SnapshotShard",
            "StopTraining"]
 
 
@@ -31,6 +31,42 @@ class Params:
     shard: int
     version: int
     values: np.ndarray
+
+
+@message("dniasync.train.PullDelta")
+@dataclass(frozen=True)
+class PullDelta:
+    """Ask a PS shard for what changed since its last answer to this replica (a :class:`ParamsDelta`).
+
+    ``stream`` and ``seq`` echo that answer (0 and 0 before the first): if they are not the
+    shard's last answer to this replica's ``incarnation`` (a restart of either side, a lost
+    reply), the replica does not hold what the shard thinks it holds, and the answer is dense.
+    """
+
+    replica: str
+    incarnation: int
+    stream: int
+    seq: int
+
+
+@message("dniasync.train.ParamsDelta")
+@dataclass(frozen=True)
+class ParamsDelta:
+    """A PS shard's parameters as of ``version``: dense, or a quantized delta to add to the previous answer's.
+
+    ``dense``: ``parts`` is ``[values]`` (float32). Otherwise ``parts`` are the payloads of
+    codec ``codec`` whose decoded sum (:meth:`~dniasync.train.compression.DeltaCodec.decode`)
+    the replica adds to its copy. ``stream`` (the shard's incarnation) and ``seq`` name this
+    answer for the next :class:`PullDelta`.
+    """
+
+    shard: int
+    version: int
+    stream: int
+    seq: int
+    dense: bool
+    codec: str
+    parts: list[np.ndarray]
 
 
 @message("dniasync.train.Push")

@@ -5,7 +5,11 @@ is the push/pull client of one flat parameter vector cut into PS shards: it
 pulls every shard into a local buffer (recording each shard's version), and
 pushes an accumulated gradient to every shard, compressed by a codec of its
 own (its residual stays here), as idempotent
-``Push(replica, incarnation, seq, version, ...)`` messages. A shard that fails
+``Push(replica, incarnation, seq, version, ...)`` messages. With a codec, pulls
+are compressed as well: each shard answers a ``PullDelta`` with a quantized
+delta the link adds to its buffer (a dense answer now and then, and whenever
+the link missed one: see :mod:`dniasync.train.ps`); the version recorded is the
+one of the state the answer brings the buffer to. A shard that fails
 a pull or a push is retried with exponential backoff (0.05 s doubling to 2 s),
 so a dead shard costs a few attempts per second, until it answers a pull (a
 tell to a node that is down may vanish without an error); its warnings are
@@ -32,9 +36,9 @@ import torch
 from torch import nn
 
 from ..actors import ActorError, ActorRef
-from .compression import CodecName, make_codec
+from .compression import CodecName, DeltaCodec, make_codec
 from .flat import FlatModel, flatten_parameters, split_ranges
-from .messages import Params, Pull, Push
+from .messages import Params, ParamsDelta, Pull, PullDelta, Push
 
 __all__ = [
     "Backoff",
@@ -132,9 +136,11 @@ class ShardLink:
     """Pulls and pushes one flat parameter vector cut into PS shards.
 
     ``ranges[i] = (offset, length)`` is the slice of ``buffer`` shard
-    ``shards[i]`` holds. Counters: ``pulls`` (one per shard answered),
-    ``pushes`` (one per :meth:`push`), ``bytes_pulled``, ``bytes_pushed``
-    (payloads sent) and ``dense_bytes_pushed`` (what they would take as float32).
+    ``shards[i]`` holds. Counters: ``pulls`` (one per shard answered; of
+    them ``dense_pulls`` and ``delta_pulls``), ``pushes`` (one per
+    :meth:`push`), ``bytes_pulled``, ``bytes_pushed`` (payloads) and
+    ``dense_bytes_pulled``, ``dense_bytes_pushed`` (what they would take as float32).
+    With ``codec`` other than ``"none"`` pulls ask for deltas (threshold ``delta_tau``).
     """
 
     def __init__(
@@ -148,6 +154,7 @@ class ShardLink:
         codec: CodecName = "none",
         tau: float = 1e-3,
         block: int = 256,
+        delta_tau: float = 1e-3,
         ask_timeout_s: float = 10.0,
         clock: Clock = time.monotonic,
     ) -> None:
@@ -160,6 +167,13 @@ class ShardLink:
         self.incarnation = incarnation
         self.ask_timeout_s = ask_timeout_s
         self.codecs = [make_codec(codec, length, tau=tau, block=block) for _, length in self.ranges]
+        self.deltas = ([DeltaCodec(codec, length, tau=delta_tau, block=block) for _, length in self.ranges]
+                       if codec != "none" else None)
+        self._answers = [(0, 0)] * len(self.shards)
+        """(stream, seq) of each shard's last answer applied, echoed in the next PullDelta."""
+        self.dense_pulls = 0
+        self.delta_pulls = 0
+        self.dense_bytes_pulled = 0
         self.versions = [0] * len(self.shards)
         self.seq = 0
         self.pushes = 0
@@ -191,18 +205,34 @@ class ShardLink:
     async def _pull_one(self, i: int) -> bool:
         if not self._backoff[i].ready():
             return False
+        ask = Pull() if self.deltas is None else PullDelta(self.replica, self.incarnation, *self._answers[i])
         try:
-            reply = await self.shards[i].ask(Pull(), timeout=self.ask_timeout_s)
-        except ActorError as exc:
+            reply = await self.shards[i].ask(ask, timeout=self.ask_timeout_s)
+        except ActorError as exc:  # a delta it may have recorded is never applied: the next echo asks for dense
             self._failed(i, "pull from", exc)
             return False
-        if not isinstance(reply, Params):
-            raise TypeError(f"shard {i} answered a pull with {type(reply).__name__}")
         self._answered(i)
         offset, length = self.ranges[i]
-        np.copyto(self.buffer[offset:offset + length], reply.values)  # the model's parameters are views of it
+        target = self.buffer[offset:offset + length]  # the model's parameters are views of the buffer
+        if isinstance(reply, Params):
+            np.copyto(target, reply.values)
+            self.bytes_pulled += int(reply.values.nbytes)
+            self.dense_pulls += 1
+        elif isinstance(reply, ParamsDelta) and self.deltas is not None:
+            if reply.dense:
+                np.copyto(target, reply.parts[0])
+                self.dense_pulls += 1
+            else:
+                if reply.codec != self.deltas[i].name:
+                    raise TypeError(f"shard {i} sent a {reply.codec} delta, this link decodes {self.deltas[i].name}")
+                target += self.deltas[i].decode(reply.parts)  # the same float32 adds as the shard's copy
+                self.delta_pulls += 1
+            self._answers[i] = (int(reply.stream), int(reply.seq))
+            self.bytes_pulled += sum(int(part.nbytes) for part in reply.parts)
+        else:
+            raise TypeError(f"shard {i} answered a pull with {type(reply).__name__}")
         self.versions[i] = int(reply.version)
-        self.bytes_pulled += int(reply.values.nbytes)
+        self.dense_bytes_pulled += 4 * length
         self.pulls += 1
         return True
 

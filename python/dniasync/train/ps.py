@@ -4,19 +4,27 @@ As in Downpour (Dean et al. 2012) each shard applies pushes on arrival with
 its own optimizer (Adagrad by default), in place in a Rust ``ParamStore``,
 and answers pulls with its parameters and their version. Quantized pushes
 are applied straight into the store, never expanded into a dense buffer.
+
+With a codec, pulls are compressed too (:class:`~dniasync.train.messages.PullDelta`):
+the shard keeps, per replica, the parameters that replica holds and answers with
+the quantized difference to its own (:class:`~dniasync.train.compression.DeltaCodec`),
+updating its copy by exactly what the replica adds; every ``resync_every``-th pull,
+and whenever the replica's echo shows it missed an answer, the answer is dense.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .. import _core
 from ..actors import Actor, handler
-from .compression import Codec, CompressedTensor, make_codec
-from .messages import Fence, Params, Pull, Push, ShardSnapshot, ShardStats, SnapshotShard
+from .compression import Codec, CompressedTensor, DeltaCodec, make_codec
+from .messages import Fence, Params, ParamsDelta, Pull, PullDelta, Push, ShardSnapshot, ShardStats, SnapshotShard
 from .specs import OptimizerSpec, ShardSpec
 from .staleness import PushLedger, PushVerdict, StalenessPolicy
 from .telemetry import track_ps_shard
@@ -33,6 +41,16 @@ STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
 def make_store(optimizer: OptimizerSpec, n: int, segment: str = SEGMENT, shm_name: str | None = None) -> _core.ParamStore:
     """A one-segment store with ``optimizer``'s state."""
     return optimizer.store([(segment, n)], shm_name=shm_name)
+
+
+@dataclass
+class _Follower:
+    """What one replica holds of this shard: the values of the last answer, and that answer's name."""
+
+    incarnation: int
+    seq: int
+    known: np.ndarray
+    deltas_since_dense: int = 0
 
 
 class PSShard(Actor):
@@ -52,6 +70,13 @@ class PSShard(Actor):
         codec = spec.codec
         if codec.name != "none":
             self.codecs[codec.name] = make_codec(codec.name, self.n, tau=codec.tau, block=codec.block)  # type: ignore[arg-type]
+        self.delta_codec = (DeltaCodec(codec.name, self.n, tau=codec.delta_tau, block=codec.block)  # type: ignore[arg-type]
+                            if codec.name != "none" else None)
+        self.resync_every = max(1, codec.resync_every)
+        self.followers: dict[str, _Follower] = {}
+        self.stream = time.time_ns() // 1000
+        """This incarnation's name for its answers: a replica's echo from an earlier one never matches."""
+        self._seq = 0
         self.ledger = PushLedger()
         self.fenced: set[str] = set()
         resume = spec.resume
@@ -70,6 +95,8 @@ class PSShard(Actor):
         self.bytes_out = 0
         self.samples = 0
         self.pulls = 0
+        self.dense_pulls = 0
+        self.delta_pulls = 0
 
     async def on_start(self) -> None:
         track_ps_shard(self.system, self, STALENESS_BUCKETS)
@@ -131,6 +158,32 @@ class PSShard(Actor):
         return Params(self.shard, version, out)
 
     @handler
+    def pull_delta(self, msg: PullDelta) -> ParamsDelta:
+        current = np.empty(self.n, dtype=np.float32)
+        version = self.store.read_into(SEGMENT, current) + self._version_offset
+        self.pulls += 1
+        self._seq += 1
+        follower = self.followers.get(msg.replica)
+        parts = None
+        if (self.delta_codec is not None and follower is not None and msg.stream == self.stream
+                and msg.incarnation == follower.incarnation and msg.seq == follower.seq
+                and follower.deltas_since_dense + 1 < self.resync_every):
+            parts = self.delta_codec.encode(current - follower.known)
+        if parts is None or follower is None:
+            # a copy: a local replica receives ``current`` itself, and ``known`` changes in place
+            self.followers[msg.replica] = _Follower(msg.incarnation, self._seq, current.copy())
+            self.bytes_out += int(current.nbytes)
+            self.dense_pulls += 1
+            return ParamsDelta(self.shard, version, self.stream, self._seq, True, "none", [current])
+        assert self.delta_codec is not None
+        follower.known += self.delta_codec.decode(parts)  # exactly what the replica adds to its copy
+        follower.seq = self._seq
+        follower.deltas_since_dense += 1
+        self.bytes_out += sum(int(part.nbytes) for part in parts)
+        self.delta_pulls += 1
+        return ParamsDelta(self.shard, version, self.stream, self._seq, False, self.delta_codec.name, parts)
+
+    @handler
     def snapshot(self, msg: SnapshotShard) -> ShardSnapshot:
         values = np.empty(self.n, dtype=np.float32)
         version = self.store.read_into(SEGMENT, values) + self._version_offset
@@ -144,6 +197,7 @@ class PSShard(Actor):
     @handler
     def fence(self, msg: Fence) -> None:
         self.fenced.add(msg.replica)
+        self.followers.pop(msg.replica, None)
 
     @handler
     def stats(self, msg: ShardStats) -> dict[str, Any]:
@@ -158,4 +212,6 @@ class PSShard(Actor):
             "staleness_sum": self.staleness_sum,
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
+            "dense_pulls": self.dense_pulls,
+            "delta_pulls": self.delta_pulls,
         }

@@ -5,7 +5,8 @@ A replica trains a torch model on the data shards its
 the way the spec's ``sync`` says:
 
 - :class:`~dniasync.train.specs.PSLinkSpec` (Downpour): pull from the PS
-  shards every ``n_fetch`` steps, push the accumulated gradient (quantized,
+  shards every ``n_fetch`` steps (with a codec, quantized parameter deltas
+  and a dense resync now and then), push the accumulated gradient (quantized,
   with its residual, by the codec) every ``n_push`` steps, through a
   :class:`~dniasync.train.param_sync.ShardLink`;
 - :class:`~dniasync.train.specs.SharedStoreSpec` (Hogwild): every step is
@@ -80,7 +81,8 @@ class _Downpour:
         bounds = [*spec.offsets, self.flat.n]
         ranges = [(bounds[i], bounds[i + 1] - bounds[i]) for i in range(len(spec.ps))]
         self.link = ShardLink(buffer, ranges, spec.ps, replica=replica, incarnation=incarnation,
-                              codec=spec.codec.name, tau=spec.codec.tau, block=spec.codec.block)  # type: ignore[arg-type]
+                              codec=spec.codec.name, tau=spec.codec.tau, block=spec.codec.block,  # type: ignore[arg-type]
+                              delta_tau=spec.codec.delta_tau)
         self.n_fetch, self.n_push = spec.n_fetch, spec.n_push
         self.samples_pending = 0
 

@@ -104,11 +104,18 @@ class OptimizerSpec:
 @message("dniasync.train.CodecSpec")
 @dataclass(frozen=True)
 class CodecSpec:
-    """How pushed gradients are compressed (see :mod:`dniasync.train.compression`)."""
+    """How pushed gradients, and with a codec the pulled parameter deltas, are compressed.
+
+    See :mod:`dniasync.train.compression`. With ``name`` other than ``"none"`` a PS shard
+    answers a replica's pulls with quantized deltas (threshold ``delta_tau``), and every
+    ``resync_every``-th pull of that replica densely.
+    """
 
     name: str = "none"
     tau: float = 1e-3
     block: int = 256
+    delta_tau: float = 1e-3
+    resync_every: int = 100
 
 
 @message("dniasync.train.ShardResume")

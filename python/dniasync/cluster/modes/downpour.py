@@ -4,6 +4,8 @@ The flat parameter vector is cut into ``n_ps_shards`` contiguous ranges,
 each served by a :class:`~dniasync.train.ps.PSShard` that applies pushes
 asynchronously with ``[optimizer]`` (and the staleness policy); every worker
 process runs one :class:`~dniasync.train.replica.Replica` on its own data shard.
+With a codec, traffic is compressed both ways: quantized gradients up,
+quantized parameter deltas down, a dense pull every ``resync_every``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class DownpourConfig(Section, frozen=True):
     """Replicas, PS shards, fetch/push cadence, codec, staleness (mode `downpour`)."""
 
     only_for = {"tau": ("codec", ("threshold",)), "block": ("codec", ("onebit", "int8")),
+                "delta_tau": ("codec", ("threshold",)), "resync_every": ("codec", ("threshold", "onebit", "int8")),
                 "max_staleness": ("staleness", ("bound",))}
 
     n_replicas: Annotated[int, Meta(ge=1, description="model replicas, one data shard each; at most data.n_train")] = 1
@@ -49,6 +52,12 @@ class DownpourConfig(Section, frozen=True):
         "gradient compression: `threshold` (Strom), `onebit` (1-bit SGD), `int8` (blockwise 8-bit)"))] = "none"
     tau: Annotated[float, Meta(gt=0.0, description="the threshold; required with `threshold`")] | None = None
     block: Annotated[int, Meta(ge=1, description="block size for `onebit` (a multiple of 8) and `int8`")] = 256
+    delta_tau: Annotated[float, Meta(gt=0.0, description=(
+        "with `threshold`, the threshold of the parameter deltas PS shards send replicas (a replica's copy stays "
+        "within it of the shard's parameters after each pull); default: `tau`"))] | None = None
+    resync_every: Annotated[int, Meta(ge=1, description=(
+        "with a codec, PS shards answer a replica's pulls with quantized parameter deltas and every "
+        "resync_every-th pull (and any pull after a missed answer) densely; 1: every pull dense"))] = 100
     staleness: Annotated[Literal["none", "inverse", "bound"], Meta(description=(
         "`inverse`: lr / staleness (Zhang et al. 2016); `bound`: drop pushes staler than max_staleness"))] = "none"
     max_staleness: Annotated[int, Meta(ge=0, description="required with `bound`")] | None = None
@@ -72,7 +81,7 @@ async def record_ps_stats(report: RunReport, shards: list[ActorRef | None]) -> N
         except ActorError as exc:
             report.set_metric(f"ps{index}_stats_error", repr(exc))
             continue
-        for key in ("applied", "version", "staleness_sum"):
+        for key in ("applied", "version", "staleness_sum", "dense_pulls", "delta_pulls"):
             report.set_metric(f"ps{index}_{key}", int(stats[key]))
         for key, count in stats["rejected"].items():
             report.set_metric(f"ps{index}_rejected_{key}", int(count))
@@ -95,7 +104,8 @@ class _DownpourJob(DataParallelJob):
         self.settings: DownpourConfig = config.settings
         self.warm_start_steps = self.settings.warm_start_steps
         self.ranges = split_ranges(self.n_params, self.settings.n_ps_shards)
-        self.codec = codec_spec(self.settings.codec, self.settings.tau, self.settings.block)
+        self.codec = codec_spec(self.settings.codec, self.settings.tau, self.settings.block, self.settings.delta_tau,
+                                self.settings.resync_every)
 
     def ps_shards(self) -> list[Any]:
         return [
