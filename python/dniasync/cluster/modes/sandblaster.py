@@ -136,10 +136,8 @@ class _SandblasterJob:
         return [ref for ref in self.runner.ps if ref is not None]
 
     def assign(self, join: JoinJob) -> Assignment | NoJob:
-        name = replica_name(join.member)
-        if name not in self.replicas and len(self.replicas) >= self.settings.n_replicas and not self.board.dead:
-            return NoJob("every replica slot is taken", retry=False)
-        self.replicas[name] = "alive"
+        # any worker that joins takes work (a restarted one too): the queue gives each what it can do
+        self.replicas[replica_name(join.member)] = "alive"
         return Assignment(SandblasterReplicaSpec(
             self.model_spec, self.data_spec, self._shard_refs(), [offset for offset, _ in self.ranges],
             self.coordinator_address, self.settings.portion_size, self.settings.push_every))
