@@ -335,8 +335,8 @@ async def host_stages(host: Host, spec: StagesSpec) -> list[ActorRef]:
         if spec.replicas > 1:
             params = param_sync.PSParams(stages[k].layers, [spec.ps[i]], replica=f"{name}@{host.system.node}",
                                          n_fetch=spec.n_fetch, n_push=spec.n_push)
-        refs.append(await host.spawn(pipeline_module.Stage, *stages[k].args(), params=params, name=name,
-                                     mailbox_size=spec.mailbox_size, supervision=Directive.STOP))
+        refs.append(await host.spawn(pipeline_module.Stage, *stages[k].args(), **stages[k].kwargs(), params=params,
+                                     name=name, mailbox_size=spec.mailbox_size, supervision=Directive.STOP))
     log.info("hosting layer groups %s of pipeline %d", spec.hosted, spec.pipeline)
     return refs
 

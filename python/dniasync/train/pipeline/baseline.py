@@ -45,7 +45,7 @@ async def spawn_stages(
     """
     specs = build_stages(model, groups, settings, in_features, seed=seed)
     return [
-        await system.spawn(Stage, *spec.args(), name=f"{prefix}-{k}", mailbox_size=mailbox_size,
+        await system.spawn(Stage, *spec.args(), **spec.kwargs(), name=f"{prefix}-{k}", mailbox_size=mailbox_size,
                            supervision=Directive.STOP)
         for k, spec in enumerate(specs)
     ]

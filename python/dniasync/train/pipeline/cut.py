@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -121,14 +122,24 @@ def probe_shapes(model: nn.Sequential, in_shape: Sequence[int]) -> list[tuple[in
 
 @dataclass
 class StageSpec:
-    """What a :class:`~dniasync.train.pipeline.stage.Stage` is spawned with: ``spawn(Stage, *spec.args())``."""
+    """What a :class:`~dniasync.train.pipeline.stage.Stage` is spawned with:
+    ``spawn(Stage, *spec.args(), **spec.kwargs())``.
+
+    ``first_layer``: the model index of its first layer; ``spare``: every layer
+    of the model, which the stage may adopt when the split moves.
+    """
 
     layers: nn.Sequential
     settings: StageSettings
     shape: StageShape
+    first_layer: int = 0
+    spare: list[nn.Module] | None = None
 
     def args(self) -> tuple[nn.Sequential, StageSettings, StageShape]:
         return self.layers, self.settings, self.shape
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"first_layer": self.first_layer, "spare": self.spare}
 
 
 def build_stages(
@@ -176,6 +187,6 @@ def build_stages(
             in_shape=shape_in if len(shape_in) > 1 else (), out_shape=shape_out if len(shape_out) > 1 else (),
             index=k, stages=len(checked),
         )
-        specs.append(StageSpec(nn.Sequential(*(layers[i] for i in group)), settings, shape))
+        specs.append(StageSpec(nn.Sequential(*(layers[i] for i in group)), settings, shape, group[0], layers))
         shape_in = shape_out
     return specs

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TypeVar
@@ -23,13 +23,16 @@ import torch.nn.functional as F
 
 from ...actors import Actor, ActorRef, ActorStopped, ActorSystem, AskTimeout, handler
 from .protocol import (
+    AdoptLayers,
     Connect,
     Done,
     EvalForward,
     EvalOutput,
     Forward,
+    LayerBundle,
     LossReport,
     RawInput,
+    ReleaseLayers,
     StageDown,
     StageState,
     StageStats,
@@ -42,6 +45,7 @@ from .schedule import Schedule, batch_order
 
 __all__ = [
     "EvalPoint",
+    "Move",
     "PipelineBroken",
     "PipelineDriver",
     "PipelineMonitor",
@@ -95,6 +99,17 @@ class TrainResult:
     @property
     def samples_per_s(self) -> float:
         return self.samples / self.wall_s if self.wall_s > 0 else float("nan")
+
+
+@dataclass
+class Move:
+    """Layers that crossed one boundary in a regrouping: from stage ``source`` to its neighbour ``target``."""
+
+    layers: list[int]
+    source: int
+    target: int
+    bytes: int
+    seconds: float
 
 
 class _Progress:
@@ -226,6 +241,48 @@ class PipelineDriver:
         self.stages = list(stages)
         await self._connect()
 
+    async def regroup(self, old: Sequence[Sequence[int]], new: Sequence[Sequence[int]]) -> list[Move]:
+        """Move layers between neighbouring stages until the split is ``new`` (both splits cover the same layers
+        with one group per stage): drains the pipeline, then moves layers across one boundary at a time, each
+        stage keeping at least one layer. Returns the moves made."""
+        if len(old) != len(self.stages) or len(new) != len(self.stages):
+            raise ValueError(f"a split of {len(self.stages)} stages is needed, got {len(old)} and {len(new)} groups")
+        await self.drain()
+        starts = [g[0] for g in old]  # the first layer of every stage; boundary b is starts[b + 1]
+        target = [g[0] for g in new]
+        ends = old[-1][-1] + 1
+        moves: list[Move] = []
+        while starts != target:
+            progressed = False
+            for b in range(len(self.stages) - 1):
+                here, there = starts[b + 1], target[b + 1]
+                if here == there:
+                    continue
+                if there < here:  # stage b gives layers from its back to stage b + 1
+                    count = min(here - there, here - starts[b] - 1)
+                    source, side_out, side_in = b, "back", "front"
+                else:  # stage b + 1 gives layers from its front to stage b
+                    limit = (starts[b + 2] if b + 2 < len(starts) else ends) - here - 1
+                    count = min(there - here, limit)
+                    source, side_out, side_in = b + 1, "front", "back"
+                if count <= 0:
+                    continue
+                receiver = b + 1 if source == b else b
+                moves.append(await self._move(source, receiver, count, side_out, side_in))
+                starts[b + 1] += -count if source == b else count
+                progressed = True
+            if not progressed:
+                raise RuntimeError(f"cannot regroup {list(map(list, old))} into {list(map(list, new))}")
+        return moves
+
+    async def _move(self, source: int, target: int, count: int, side_out: str, side_in: str) -> Move:
+        started = time.perf_counter()
+        giver, taker = self.stages[source], self.stages[target]
+        bundle = await self._guard(giver, giver.ask(ReleaseLayers(count, side_out), timeout=self.ask_timeout_s))
+        assert isinstance(bundle, LayerBundle)
+        await self._guard(taker, taker.ask(AdoptLayers(bundle, side_in), timeout=self.ask_timeout_s))
+        return Move(list(bundle.indices), source, target, bundle.nbytes, time.perf_counter() - started)
+
     async def drain(self) -> None:
         """Return once no batch is in flight (every stage has finished with every batch sent)."""
         await self._wait_until(lambda: not self._progress.in_flight)
@@ -316,6 +373,7 @@ class PipelineDriver:
         evals_per_epoch: int = 1,
         eval_every: int | None = None,
         method: str = "pipeline",
+        between: Callable[[], Awaitable[None]] | None = None,
     ) -> TrainResult:
         """Train on ``batches`` (index tensors into ``(x, y)``, e.g. from a resumable data cursor), or
         without them on ``epochs`` passes in :func:`batch_order` (seeded, as :func:`train_backprop`'s).
@@ -323,7 +381,9 @@ class PipelineDriver:
         Evaluates on ``(eval_x, eval_y)`` every ``eval_every`` mini-batches
         (default: ``evals_per_epoch`` times per epoch of ``batch_size``
         batches; neither given: once at the end). Each evaluation first drains
-        the pipeline and is not counted in wall time.
+        the pipeline and is not counted in wall time. ``between`` is awaited
+        after each mini-batch is fed (a regrouping policy may drain and move
+        layers there).
         """
         n = int(x.shape[0])
         if batches is None:
@@ -342,6 +402,8 @@ class PipelineDriver:
             await self._feed_batch(x[idx], y[idx], step_id)
             if self.schedule.flush:
                 await self.drain()
+            if between is not None:
+                await between()
             samples += int(idx.shape[0])
             if evaluating and eval_every and (step_id + 1) % eval_every == 0:
                 assert eval_x is not None and eval_y is not None

@@ -7,7 +7,7 @@ messages always had (the tag, not the class name, is the wire contract).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,8 +20,11 @@ __all__ = [
     "EvalOutput",
     "Forward",
     "Gradient",
+    "LayerBundle",
     "LossReport",
     "RawInput",
+    "AdoptLayers",
+    "ReleaseLayers",
     "StageDown",
     "StageState",
     "StageStats",
@@ -156,6 +159,12 @@ class StageStats:
     """Bytes of weight versions stashed for batches in flight now (rule ``stash``; else 0)."""
     stash_peak_bytes: int = 0
     """... and at most so far."""
+    first_layer: int = 0
+    """The model index of the stage's first layer (it changes when layers move)."""
+    layer_seconds: list[float] = field(default_factory=list)
+    """Per layer of the stage (first to last): forward plus backward seconds spent on it since the layers last
+    changed, over ``layer_batches`` trained batches (measured per layer on the stage, for regrouping)."""
+    layer_batches: int = 0
 
 
 @message("dniasync.dni.StateRequest")
@@ -186,3 +195,46 @@ class Trace:
 
     events: list[str]
     batch_ids: list[int]
+
+
+@message("dniasync.pipeline.ReleaseLayers")
+@dataclass(frozen=True)
+class ReleaseLayers:
+    """Ask (pipeline drained): give up the ``count`` layers at the stage's ``side`` (``"front"`` or ``"back"``);
+    answered with their :class:`LayerBundle`. The stage keeps at least one layer."""
+
+    count: int
+    side: str
+
+
+@message("dniasync.pipeline.LayerBundle")
+@dataclass(frozen=True)
+class LayerBundle:
+    """Layers on their way from one stage to its neighbour: weights, buffers and optimizer state.
+
+    ``indices``: the layers' model indices, ascending. ``names[i]`` is the key
+    of ``tensors[i]`` (``"3/weight"``, ``"3/weight@exp_avg"``; see
+    :func:`~dniasync.train.pipeline.regroup.pack_layers`). ``in_shape`` and
+    ``out_shape``: one sample's activation shape into the first of them and
+    out of the last.
+    """
+
+    indices: list[int]
+    in_shape: list[int]
+    out_shape: list[int]
+    names: list[str]
+    tensors: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+@message("dniasync.pipeline.AdoptLayers")
+@dataclass(frozen=True)
+class AdoptLayers:
+    """Ask (pipeline drained): take ``bundle``'s layers at the stage's ``side``; answered with the stage's
+    :class:`StageStats` (its new ``first_layer`` among them)."""
+
+    bundle: LayerBundle
+    side: str

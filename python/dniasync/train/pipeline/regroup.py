@@ -319,6 +319,10 @@ class LayerClock:
         self._last = None
         self._batches += 1
 
+    def totals(self) -> tuple[list[float], int]:
+        """Seconds spent on each layer (first to last) since the clock started, and the batches trained."""
+        return list(self._seconds), self._batches
+
     def take(self) -> dict[int, float]:
         """Seconds per trained batch of each layer (by model index) since the last take; empty if none trained."""
         if self._batches == 0:

@@ -14,9 +14,11 @@ trace, and answers evaluation, state and stats requests.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -27,14 +29,17 @@ from ...actors import Actor, ActorRef, ActorStopped, handler
 from .. import telemetry
 from ..param_sync import LocalOptimizer, ParamSync
 from .protocol import (
+    AdoptLayers,
     Connect,
     Done,
     EvalForward,
     EvalOutput,
     Forward,
     Gradient,
+    LayerBundle,
     LossReport,
     RawInput,
+    ReleaseLayers,
     StageDown,
     StageState,
     StageStats,
@@ -43,6 +48,8 @@ from .protocol import (
     Trace,
     TraceRequest,
 )
+from .cut import probe_shapes
+from .regroup import LayerClock, drop_from_optimizer, pack_layers, unpack_layers
 from .rules import Kept, Outcome, UpdateRule, make_rule
 from .rules.real import forward_with
 from .settings import StageSettings, StageShape
@@ -63,6 +70,16 @@ class Stage(Actor):
     :class:`TraceRequest` (asks). Torch work runs on the system's blocking
     threads so the event loop keeps serving other actors.
 
+    Regrouping: the stage times each of its layers (:class:`LayerClock`,
+    reported in its stats) and, with the pipeline drained, gives layers to a
+    neighbour (:class:`ReleaseLayers`) or takes them (:class:`AdoptLayers`)
+    with their weights and optimizer state. Adopted layers are loaded into the
+    modules of ``spare`` (every layer of the model, by index: the host builds
+    the whole model anyway); a stage spawned without it cannot adopt. A stage
+    whose layers change starts a fresh rule for its new shape (empty caches,
+    and for DNI a new synthetic-gradient model whose last layer is zero, so it
+    predicts no gradient until it has fit a few true ones).
+
     Its mailbox bounds the batches queued at it. A batch is in flight until
     every stage has sent :class:`Done` for it; each in-flight batch puts at
     most one forward, one gradient and one raw input in a stage's mailbox, so
@@ -81,10 +98,16 @@ class Stage(Actor):
         *,
         rule: UpdateRule | None = None,
         params: ParamSync | None = None,
+        spare: Sequence[nn.Module] | None = None,
+        first_layer: int = 0,
     ) -> None:
         self.layers = layers
         self.settings = settings
+        self.shape = shape
         self.last = shape.last
+        self.spare = list(spare) if spare is not None else None
+        self.first_layer = first_layer
+        self.clock = LayerClock(layers, first_layer)
         self.rule = rule if rule is not None else make_rule(settings, shape)
         if self.rule.urgent_gradients:
             self.urgent_messages = (Gradient,)
@@ -200,6 +223,7 @@ class Stage(Actor):
         if zero:
             self.params.zero_grad()
         torch.autograd.backward(h_out, grad)
+        self.clock.backward_done()
         if step:
             self.params.step()
             self.steps += 1
@@ -213,6 +237,7 @@ class Stage(Actor):
         if zero:
             self.params.zero_grad()
         (loss * weight).backward()  # type: ignore[no-untyped-call]
+        self.clock.backward_done()
         if step:
             self.params.step()
             self.steps += 1
@@ -321,6 +346,8 @@ class Stage(Actor):
             self.params.bytes_pushed,
             self.params.bytes_pulled,
             *self.rule.stash_bytes(),
+            self.first_layer,
+            *self.clock.totals(),
         )
 
     @handler
@@ -330,6 +357,82 @@ class Stage(Actor):
             names.append(name)
             tensors.append(tensor.detach().clone())
         return StageState(names, tensors)
+
+    # -- regrouping -------------------------------------------------------------------
+    def _optimizer(self) -> torch.optim.Optimizer:
+        if not isinstance(self.params, LocalOptimizer):
+            raise RuntimeError(f"{self.ref.address}: layers of a stage synchronised through PS shards cannot move")
+        return self.params.optimizer
+
+    def _reshape(self, layers: list[nn.Module], first_layer: int, in_dims: tuple[int, ...]) -> None:
+        """Take ``layers`` (model indices from ``first_layer``) with inputs of ``in_dims`` as this stage's own."""
+        self.layers = nn.Sequential(*layers)
+        self.first_layer = first_layer
+        out_dims = probe_shapes(self.layers, in_dims)[-1]
+        self.shape = dataclasses.replace(
+            self.shape, in_features=math.prod(in_dims), out_features=math.prod(out_dims),
+            in_shape=in_dims if len(in_dims) > 1 else (), out_shape=out_dims if len(out_dims) > 1 else (),
+        )
+        self.rule = make_rule(self.settings, self.shape)
+        self.rule.connect(self.upstream is not None)
+        self.sg = self.rule.sg
+        self.clock.close()
+        self.clock = LayerClock(self.layers, first_layer)
+        self._kept.clear()
+        self._parts_done.clear()
+
+    def _check_idle(self, what: str) -> None:
+        if self._kept or self._parts_done:
+            raise RuntimeError(f"{self.ref.address}: cannot {what} with {len(self._kept)} batches in flight "
+                               "(drain the pipeline first)")
+
+    def _release(self, count: int, side: str) -> LayerBundle:
+        layers = list(self.layers)
+        if side not in ("front", "back") or not 0 < count < len(layers):
+            raise ValueError(f"{self.ref.address}: cannot release {count} of its {len(layers)} layers at {side!r} "
+                             "(a stage keeps at least one)")
+        optimizer = self._optimizer()
+        shapes = probe_shapes(self.layers, self.shape.in_dims)
+        start = len(layers) - count if side == "back" else 0
+        moving = {self.first_layer + j: layers[j] for j in range(start, start + count)}
+        moving_in = shapes[start - 1] if start > 0 else self.shape.in_dims
+        bundle = pack_layers(moving, optimizer)
+        drop_from_optimizer(optimizer, [p for module in moving.values() for p in module.parameters()])
+        if side == "back":
+            self._reshape(layers[:start], self.first_layer, self.shape.in_dims)
+        else:
+            self._reshape(layers[count:], self.first_layer + count, shapes[count - 1])
+        return LayerBundle(sorted(moving), list(moving_in), list(shapes[start + count - 1]),
+                           list(bundle), list(bundle.values()))
+
+    def _adopt(self, bundle: LayerBundle, side: str) -> None:
+        if self.spare is None:
+            raise RuntimeError(f"{self.ref.address} was spawned without the model's other layers: it cannot adopt")
+        edge = self.first_layer - 1 if side == "front" else self.first_layer + len(self.layers)
+        if side not in ("front", "back") or not bundle.indices or edge not in bundle.indices:
+            raise ValueError(f"{self.ref.address}: layers {bundle.indices} do not border it at {side!r}")
+        optimizer = self._optimizer()
+        modules = {i: self.spare[i] for i in bundle.indices}
+        unpack_layers(dict(zip(bundle.names, bundle.tensors)), modules, optimizer)
+        adopted = [modules[i] for i in bundle.indices]
+        if side == "front":
+            self._reshape([*adopted, *self.layers], bundle.indices[0], tuple(bundle.in_shape))
+        else:
+            self._reshape([*self.layers, *adopted], self.first_layer, self.shape.in_dims)
+
+    @handler
+    async def release_layers(self, msg: ReleaseLayers) -> LayerBundle:
+        self._check_idle("give layers away")
+        bundle = await self.run_blocking(self._release, msg.count, msg.side)
+        self.trace("released", -1)
+        return bundle
+
+    @handler
+    async def adopt_layers(self, msg: AdoptLayers) -> StageStats:
+        self._check_idle("take layers")
+        await self.run_blocking(self._adopt, msg.bundle, msg.side)
+        self.trace("adopted", -1)
+        return self.stats(StatsRequest())
 
     @handler
     def events(self, msg: TraceRequest) -> Trace:
