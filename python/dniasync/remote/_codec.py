@@ -259,19 +259,25 @@ class _TopPacker:
     def _default(self, obj: Any) -> Any:
         return self.hook(obj)
 
-    def pack(self, header: list[Any]) -> tuple[bytes, _Packer]:
+    def pack(self, header: list[Any]) -> tuple[bytes, list[memoryview | bytes], int]:
+        """The header's bytes, and the payload buffers and size of the tensors in it."""
         if self.busy:  # encoding from inside a hook: never share the buffer
             hook = _Packer()
-            return msgpack.packb(header, default=hook, use_bin_type=True), hook
+            return msgpack.packb(header, default=hook, use_bin_type=True), hook.buffers, hook.size
         self.busy = True
-        hook = self.hook = _Packer()
+        hook = self.hook
         try:
-            return self.packer.pack(header), hook
+            data = self.packer.pack(header)
         except BaseException:
             self.packer.reset()
+            self.hook = _Packer()
             raise
         finally:
             self.busy = False
+        if not hook.buffers:
+            return data, [], 0  # the hook saw no tensor: keep it for the next header
+        self.hook = _Packer()
+        return data, hook.buffers, hook.size
 
 
 _top = _TopPacker()
@@ -281,10 +287,8 @@ def encode(op: int, target: str, corr: int, value: Any, sender: str | None = Non
     """Encode one frame. For tells and asks ``value`` must be a registered message."""
     if op == OP_TELL or op == OP_ASK:
         tag, names = _layout(type(value))
-        header, hook = _top.pack([tag, target, sender, corr, [getattr(value, name) for name in names]])
-    else:
-        header, hook = _top.pack([None, target, sender, corr, value])
-    return Encoded(header, hook.buffers, hook.size)
+        return Encoded(*_top.pack([tag, target, sender, corr, [getattr(value, name) for name in names]]))
+    return Encoded(*_top.pack([None, target, sender, corr, value]))
 
 
 # -- decoding ---------------------------------------------------------------
@@ -523,11 +527,4 @@ class _Context:
         return tensor.view(getattr(torch, dtype)) if dtype in _TORCH_ONLY else tensor
 
     def message(self, tag: str, fields: Any) -> Any:
-        schema = _schema(tag)
-        if type(fields) is not list or len(fields) != len(schema.checks):
-            raise DecodeError(f"{tag}: expected {len(schema.checks)} fields")
-        values = [check(value) for check, value in zip(schema.checks, fields)]
-        try:
-            return schema.cls(*values)
-        except Exception as exc:  # __post_init__ validation of the class itself
-            raise DecodeError(f"{tag}: {type(exc).__name__}: {exc}") from None
+        return _schema(tag).build(tag, fields)

@@ -133,6 +133,8 @@ class Connection:
 
     def inline(self, op: int, frame: Encoded) -> bytes:
         """``frame`` as one websocket message: its payload in the ring if it fits there, else inline."""
+        if frame.payload_len < self._shm_min:
+            return frame.single(op)
         return (self._ring_fits(frame) and self._place(op, frame)) or frame.single(op)
 
     def _place(self, op: int, frame: Encoded) -> bytes | None:
@@ -351,18 +353,17 @@ class Connection:
                             ring = self.decoder.ring
                             if ring is not None and ring.ack_due():
                                 self._release(ring)
-                        if frame is not None and frame.op == OP_SHM:
-                            self._shm_control(frame.value)
+                        if frame is None:
                             continue
+                        counters.frames_in += 1
+                        pause = dispatch(frame)
                     except DecodeError as exc:
                         counters.decode_errors += 1
                         reason = f"protocol error: {exc}"
                         log.warning("closing connection to %s: %s", self.peer.node, exc)
                         break
-                    if frame is not None:
-                        counters.frames_in += 1
-                        if dispatch(frame):
-                            await self._room.wait()  # a full mailbox: stop reading, backpressure to the sender
+                    if pause:
+                        await self._room.wait()  # a full mailbox: stop reading, backpressure to the sender
                 elif msg.type is aiohttp.WSMsgType.ERROR:
                     counters.decode_errors += 1
                     reason = f"websocket error: {msg.data}"
@@ -393,6 +394,9 @@ class Connection:
             return False
         if op == OP_REPLY or op == OP_FAIL:
             self.peer.resolve(frame)
+            return False
+        if op == OP_SHM:
+            self._shm_control(frame.value)
             return False
         if frame.error is not None:
             self.transport.counters.decode_errors += 1
