@@ -71,8 +71,10 @@ async def test_a_move_mid_training_keeps_the_function_and_every_batch(
                 if fed == 5:
                     await driver.drain()
                     seen["before"] = await driver.evaluate(probe_x, probe_y)
+                    await driver.stats()  # the stages' loss records are read up to here
                     seen["states"] = _merged(BEFORE, await driver.states())
                     seen["moves"] = await driver.regroup(BEFORE, AFTER)
+                    await driver.stats()  # ... and read again at once, before the new rules recorded anything
                     seen["after"] = await driver.evaluate(probe_x, probe_y)
                     seen["states_after"] = _merged(AFTER, await driver.states())
 

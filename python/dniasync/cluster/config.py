@@ -196,9 +196,30 @@ class CheckpointConfig(Section, frozen=True):
     keep: Annotated[int, Meta(ge=1, description="checkpoints kept (the oldest go first)")] = 3
 
 
+class RegroupConfig(Section, frozen=True):
+    """Dynamic layer regrouping (mode `pipeline`): move the split between stages while training runs."""
+
+    enabled: Annotated[bool, Meta(description=(
+        "measure every stage's per-layer time and move boundary layers to a neighbour when the policy predicts a "
+        "gain (the pipeline is drained for each move; weights and optimizer state move with the layers)"))] = False
+    policy: Annotated[Literal["balance"], Meta(description=(
+        "`balance`: the split whose slowest stage is fastest, from per-layer costs and each stage's measured "
+        "slowness"))] = "balance"
+    min_gain: Annotated[float, Meta(gt=0.0, description=(
+        "move only when the predicted throughput gain is at least this (0.1: 10% more batches per second)"))] = 0.1
+    cooldown_s: Annotated[float, Meta(ge=0.0, description=(
+        "seconds after a move (and after the start) before the next may be decided, so estimates settle"))] = 10.0
+    max_moves: Annotated[int, Meta(ge=0, description="moves in a whole run at most (0: no bound)")] = 10
+    interval_s: Annotated[float, Meta(gt=0.0, description=(
+        "how often the stages' per-layer times are collected and the policy is asked"))] = 1.0
+    profile: Annotated[bool, Meta(description=(
+        "before training, time every layer in the coordinator's process and start from the split the policy "
+        "finds best for it instead of `pipeline.groups` (which still gives the number of stages)"))] = False
+
+
 _COMMON: Final[dict[str, type[Section]]] = {
     "job": JobConfig, "model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
-    "stop": StopConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig,
+    "stop": StopConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "regroup": RegroupConfig,
 }
 _REQUIRED: Final = ("job", "model", "data")
 
@@ -216,6 +237,7 @@ class Config:
     stop: StopConfig
     eval: EvalConfig
     checkpoint: CheckpointConfig
+    regroup: RegroupConfig = RegroupConfig()
 
     @property
     def mode(self) -> str:
@@ -234,11 +256,15 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """TOML-shaped plain data, defaults left out; ``parse_config`` of it gives an equal config."""
-        return {
+        out = {
             "job": to_table(self.job), "model": to_table(self.model), "data": to_table(self.data),
             "optimizer": to_table(self.optimizer), self.mode: to_table(self.settings),
             "stop": to_table(self.stop), "eval": to_table(self.eval), "checkpoint": to_table(self.checkpoint),
         }
+        regroup = to_table(self.regroup)
+        if regroup:
+            out["regroup"] = regroup
+        return out
 
 
 def _table(raw: Mapping[str, Any], name: str) -> Any:
@@ -276,7 +302,10 @@ def parse_config(raw: Mapping[str, Any], *, resolve: bool = True) -> Config:
         stop=convert_section("stop", _table(raw, "stop"), StopConfig),
         eval=convert_section("eval", _table(raw, "eval"), EvalConfig),
         checkpoint=convert_section("checkpoint", _table(raw, "checkpoint"), CheckpointConfig),
+        regroup=convert_section("regroup", _table(raw, "regroup"), RegroupConfig),
     )
+    if "regroup" in raw and job.mode != "pipeline":
+        raise ConfigError(f"section '[regroup]' applies only to job.mode = 'pipeline', not {job.mode!r}", "regroup")
     mode.check(config, raw)
     if config.eval.deferred and config.stop.target_accuracy is not None:
         raise ConfigError("'eval.deferred' cannot be used with stop.target_accuracy: the accuracy is known only "

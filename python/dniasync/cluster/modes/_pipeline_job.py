@@ -16,7 +16,8 @@ import asyncio
 import importlib
 import logging
 import math
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Final
 
@@ -51,6 +52,23 @@ log = logging.getLogger("dniasync.cluster.modes")
 EVENT_GROUP_FAILED: Final = "group_failed"
 EVENT_GROUPS_PLACED: Final = "groups_placed"
 EVENT_RESUME_REFUSED: Final = "resume_refused"
+EVENT_REGROUPED: Final = "regrouped"
+EVENT_SPLIT_PROFILED: Final = "split_profiled"
+
+
+def split_text(groups: Sequence[Sequence[int]]) -> str:
+    """``[[0, 1, 2], [3]]`` as ``"0-2 | 3"``."""
+    return " | ".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
+def merge_stage_states(groups: Sequence[Sequence[int]], states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Stage-local state-dict keys (``"1.weight"`` of the stage holding layers 2..4) as the model's (``"3.weight"``)."""
+    out = {}
+    for group, state in zip(groups, states, strict=True):
+        for name, tensor in state.items():
+            local, rest = name.split(".", 1)
+            out[f"{group[int(local)]}.{rest}"] = tensor
+    return out
 
 
 def group_name(pipeline: int, group: int, replicas: int) -> str:
@@ -78,8 +96,11 @@ class PipelineJob:
         model = self.model_spec.build()
         assert isinstance(model, torch.nn.Sequential)  # checked when the config was resolved
         self.eval_model = model
+        self.groups = [list(g) for g in self.p.groups]
+        """The split now: layer indices of each stage (moves with regrouping)."""
+        self.regrouper = self._regrouper(model)
         self._check_stages(model)
-        self.eval_parts = split_sequential(model, self.p.groups)
+        self.eval_parts = split_sequential(model, self.groups)
         self.eval_buffers = [flatten_parameters(part) for part in self.eval_parts]
         self.eval_flats = [FlatModel(part, buf) for part, buf in zip(self.eval_parts, self.eval_buffers)]
         self.schedule = Schedule.for_rule(self.p.method, max_in_flight=self.p.max_in_flight,
@@ -97,6 +118,10 @@ class PipelineJob:
         self.cursors = [DataCursor(r) for r in range(n_pipelines)]
         self.drivers: list[PipelineDriver] = []
         self.tasks: list[asyncio.Task[None]] = []
+        self._regroup_lock = asyncio.Lock()
+        self._next_regroup_check = 0.0
+        self._clock_seen: dict[int, tuple[int, list[float], int]] = {}
+        self._moves = 0
         self._sg_first: dict[str, float] = {}
         self._sg_last: dict[str, float] = {}
         self._stage_bytes: dict[str, tuple[int, int]] = {}
@@ -114,12 +139,33 @@ class PipelineJob:
         )
         return asdict(settings)
 
+    def _regrouper(self, model: torch.nn.Sequential) -> Any:
+        """The regrouping decision side (``[regroup]``), or None; with ``profile`` the first split comes from timing
+        every layer here, before any stage exists."""
+        from ...train.pipeline.regroup import Regrouper, best_split, get_policy, profile_layers
+
+        rg = self.config.regroup
+        if not rg.enabled:
+            return None
+        regrouper = Regrouper(tuple(map(tuple, self.groups)), get_policy(rg.policy, min_gain=rg.min_gain),
+                              rg.cooldown_s, rg.max_moves)
+        if rg.profile:
+            times = profile_layers(model, (self.in_features,), self.config.data.batch_size,
+                                   num_classes=self.num_classes)
+            split, _ = best_split([times[i] for i in range(len(model))], [1.0] * len(self.groups))
+            log.info("profiled split %s (configured %s)", split_text(split), split_text(self.groups))
+            self.runner.event(EVENT_SPLIT_PROFILED, configured=split_text(self.groups), split=split_text(split))
+            self.groups = [list(g) for g in split]
+            regrouper.groups = split
+            regrouper.calibrate(times)
+        return regrouper
+
     def _check_stages(self, model: torch.nn.Sequential) -> None:
         """Probe the cut with the data's shape here, so a bad cut or layer fails the job at start, named."""
         from ...train.pipeline import GroupConfigError, StageSettings, build_stages
 
         try:
-            build_stages(model, self.p.groups, StageSettings(**self.stage_settings()), self.in_features)
+            build_stages(model, self.groups, StageSettings(**self.stage_settings()), self.in_features)
         except GroupConfigError as e:
             raise ConfigError(f"'pipeline.groups': {e}", "pipeline.groups") from None
         except ValueError as e:
@@ -144,7 +190,7 @@ class PipelineJob:
         log.info("pipeline %d, stages %s go to %s", pipeline, groups, join.member)
         ps = [ref for k in groups if self.runner.ps for ref in [self.runner.ps[k]] if ref is not None]
         return Assignment(StagesSpec(
-            self.model_spec, [list(g) for g in self.p.groups], groups, pipeline, self.p.replicas,
+            self.model_spec, [list(g) for g in self.groups], groups, pipeline, self.p.replicas,
             self.stage_settings(), self.in_features, self.schedule.stage_mailbox_size(), ps,
             self.p.n_fetch, self.p.n_push,
         ))
@@ -174,7 +220,9 @@ class PipelineJob:
                 raise JobFailed(f"layer group {exc.address} is down ({exc.reason})", EVENT_GROUP_FAILED,
                                 group=exc.address) from None
         self.runner.mark_started()
-        self.runner.event(EVENT_GROUPS_PLACED, groups=addresses)
+        self.runner.event(EVENT_GROUPS_PLACED, groups=addresses, split=split_text(self.groups))
+        if self.regrouper is not None:
+            self.regrouper.hold(asyncio.get_running_loop().time())
         log.info("training %d pipeline(s) over %s", len(pipelines), addresses)
         self.tasks = [asyncio.create_task(self._train(r, d), name=f"pipeline-{r}") for r, d in enumerate(self.drivers)]
 
@@ -187,10 +235,58 @@ class PipelineJob:
 
     async def _train(self, r: int, driver: PipelineDriver) -> None:
         try:
-            result = await driver.train(self.x_train, self.y_train, self._batches(r))
+            between = self._maybe_regroup if self.regrouper is not None else None
+            result = await driver.train(self.x_train, self.y_train, self._batches(r), between=between)
             self._note_stats(r, result.stats)  # asked of the stages last: their SG losses are the latest
         finally:
             self.runner.poke()  # done or broken: the runner ends the job now, not at its next tick
+
+    # -- regrouping ----------------------------------------------------------------------
+    def _per_batch(self, k: int, stats: StageStats) -> dict[int, float]:
+        """Stage ``k``'s per-layer seconds per batch since the previous look (its clock restarts when it changes)."""
+        key = (stats.first_layer, len(stats.layer_seconds))
+        seen = self._clock_seen.get(k)
+        self._clock_seen[k] = (stats.first_layer, list(stats.layer_seconds), stats.layer_batches)
+        before, batches = [0.0] * len(stats.layer_seconds), 0
+        if seen is not None and (seen[0], len(seen[1])) == key and seen[2] <= stats.layer_batches:
+            before, batches = seen[1], seen[2]
+        n = stats.layer_batches - batches
+        if n <= 0:
+            return {}
+        return {stats.first_layer + j: (now - then) / n
+                for j, (now, then) in enumerate(zip(stats.layer_seconds, before, strict=True))}
+
+    async def _maybe_regroup(self) -> None:
+        """Between two mini-batches: every ``interval_s`` feed the stages' times to the policy; move if it says so."""
+        regrouper = self.regrouper
+        loop = asyncio.get_running_loop()
+        if regrouper is None or loop.time() < self._next_regroup_check:
+            return
+        self._next_regroup_check = loop.time() + self.config.regroup.interval_s
+        driver = self.drivers[0]
+        stats = await driver.stats()
+        self._note_stats(0, stats)
+        for k, s in enumerate(stats):
+            regrouper.observe(k, self._per_batch(k, s))
+        proposal = regrouper.decide(loop.time())
+        if proposal is None:
+            return
+        old = self.groups
+        async with self._regroup_lock:
+            started = time.perf_counter()
+            moves = await driver.regroup(old, proposal.groups)
+            pause = time.perf_counter() - started
+            self.groups = [list(g) for g in proposal.groups]
+        regrouper.applied(proposal.groups, loop.time())
+        self._clock_seen.clear()
+        self._moves += 1
+        moved = sorted(i for m in moves for i in m.layers)
+        log.info("regrouped %s -> %s (predicted gain %.0f%%, paused %.0f ms)", split_text(old),
+                 split_text(self.groups), 100 * proposal.gain, 1000 * pause)
+        self.runner.event(EVENT_REGROUPED, before=split_text(old), split=split_text(self.groups),
+                          layers=",".join(map(str, moved)), predicted_gain=round(proposal.gain, 4),
+                          pause_ms=round(1000 * pause, 2), bytes=sum(m.bytes for m in moves),
+                          slowness=",".join(f"{v:.2f}" for v in regrouper.estimates.stage_slowness(len(old))))
 
     # -- the runner's questions ---------------------------------------------------------
     def progress(self, msg: Progress) -> None:
@@ -238,14 +334,25 @@ class PipelineJob:
         return {ref.address: ("alive" if ref.is_alive else "dead") for row in self.refs for ref in row if ref}
 
     def extra(self) -> dict[str, Any]:
-        return {"groups": len(self.p.groups), "pipelines": self.p.replicas, "method": self.p.method}
+        extra: dict[str, Any] = {"groups": len(self.p.groups), "pipelines": self.p.replicas, "method": self.p.method,
+                                 "split": split_text(self.groups)}
+        if self.regrouper is not None:
+            extra["regroup_moves"] = self._moves
+            costs = self.regrouper.estimates.costs
+            if costs is not None:
+                slowness = self.regrouper.estimates.stage_slowness(len(self.groups))
+                extra["stage_ms"] = " | ".join(f"{1000 * slowness[k] * sum(costs[i] for i in g):.1f}"
+                                               for k, g in enumerate(self.groups))
+        return extra
 
     # -- evaluation -------------------------------------------------------------------
     async def snapshot(self) -> Snapshot:
         for r, driver in enumerate(self.drivers):
             self._note_stats(r, await driver.stats())
         if self.p.replicas == 1:
-            return Snapshot(await self.drivers[0].states())
+            async with self._regroup_lock:  # the states and the split they belong to, together
+                states = await self.drivers[0].states()
+                return Snapshot([merge_stage_states(self.groups, states)])
         replies = await asyncio.gather(*(ps.ask(Pull(), timeout=10.0) for ps in self.runner.ps if ps is not None))
         shards: dict[int, np.ndarray] = {}
         for reply in replies:
@@ -267,8 +374,7 @@ class PipelineJob:
                 np.copyto(self.eval_buffers[shard], values)
             return
         with torch.no_grad():
-            for part, state in zip(self.eval_parts, weights):
-                part.load_state_dict(state)
+            self.eval_model.load_state_dict(weights[0])
 
     # -- ending ---------------------------------------------------------------------
     async def stop(self, reason: str) -> None:
@@ -296,6 +402,9 @@ class PipelineJob:
         report.set_metric("pipelines", p.replicas)
         report.set_metric("method", p.method)
         report.set_metric("synthetic_inputs", p.synthetic_inputs)
+        report.set_metric("split", split_text(self.groups))
+        if self.regrouper is not None:
+            report.set_metric("regroup_moves", self._moves)
         for r, driver in enumerate(self.drivers):
             stats = await driver.stats()
             self._note_stats(r, stats)

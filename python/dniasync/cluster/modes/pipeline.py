@@ -131,6 +131,12 @@ class _Pipeline:
         opt, given = config.optimizer, raw.get("optimizer", {})
         if opt.clip_norm is not None:
             raise ConfigError("'optimizer.clip_norm' does not apply in mode 'pipeline'", "optimizer.clip_norm")
+        if config.regroup.enabled and p.replicas > 1:
+            raise ConfigError("'regroup.enabled' needs pipeline.replicas = 1: moving layers between replicated "
+                              "stages would re-partition their PS shards, which is not supported yet",
+                              "regroup.enabled")
+        if config.regroup.enabled and len(p.groups) < 2:
+            raise ConfigError("'regroup.enabled' needs at least 2 stages in pipeline.groups", "regroup.enabled")
         if p.replicas > 1:
             if p.method == "spectrain":
                 raise ConfigError("'pipeline.method' spectrain predicts from each stage's own optimizer: it needs "
@@ -178,6 +184,8 @@ class _Pipeline:
         for key in sorted(k for k in metrics if k.endswith("_sg_loss_last")):
             group = key.removesuffix("_sg_loss_last")
             lines.append(f"  {group + ' SG loss':18s} {metrics[group + '_sg_loss_first']:.3g} -> {metrics[key]:.3g}")
+        if metrics.get("regroup_moves") is not None:
+            lines.append(f"  {'regrouping':18s} {metrics['regroup_moves']} move(s), split now {metrics['split']}")
         for key in sorted(k for k in metrics if k.endswith("_version_gap_mean")):
             group = key.removesuffix("_version_gap_mean")
             stash = metrics.get(group + "_stash_peak_bytes")

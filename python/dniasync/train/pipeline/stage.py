@@ -376,6 +376,7 @@ class Stage(Actor):
         self.rule = make_rule(self.settings, self.shape)
         self.rule.connect(self.upstream is not None)
         self.sg = self.rule.sg
+        self._sg_seen = self._input_seen = 0  # positions in the old models' loss records
         self.clock.close()
         self.clock = LayerClock(self.layers, first_layer)
         self._kept.clear()
