@@ -21,6 +21,7 @@ from dniasync.train.pipeline import (
     spawn_stages,
     train_backprop,
 )
+from dniasync.train.pipeline.protocol import StageState, StateRequest
 
 torch.set_num_threads(1)
 
@@ -153,3 +154,21 @@ async def test_a_stage_refuses_to_give_away_its_last_layer(digits: tuple[torch.T
         async with PipelineDriver(system, refs, Schedule.for_rule("sync", micro_batches=1)):
             with pytest.raises(ValueError, match="keeps at least one"):
                 await refs[1].ask(ReleaseLayers(1, "front"), timeout=30)
+
+
+async def test_a_receiver_lost_during_a_move_breaks_the_pipeline_and_the_giver_keeps_its_layers(
+    digits: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    from dniasync.train.pipeline import PipelineBroken
+
+    settings = StageSettings(rule="sync", optimizer="adam", lr=1e-3)
+    async with ActorSystem() as system:
+        refs = await spawn_stages(system, mlp(seed=1), BEFORE, settings, 64)
+        async with PipelineDriver(system, refs, Schedule.for_rule("sync", micro_batches=1)) as driver:
+            want = (await driver.states())[0]
+            await system.stop(refs[1])
+            with pytest.raises(PipelineBroken, match="layer-group-1"):
+                await driver.regroup(BEFORE, AFTER)
+            got = await refs[0].ask(StateRequest(), timeout=30)
+    assert isinstance(got, StageState)
+    assert got.names == list(want) and all(torch.equal(a, want[n]) for n, a in zip(got.names, got.tensors))

@@ -280,7 +280,16 @@ class PipelineDriver:
         giver, taker = self.stages[source], self.stages[target]
         bundle = await self._guard(giver, giver.ask(ReleaseLayers(count, side_out), timeout=self.ask_timeout_s))
         assert isinstance(bundle, LayerBundle)
-        await self._guard(taker, taker.ask(AdoptLayers(bundle, side_in), timeout=self.ask_timeout_s))
+        try:
+            await self._guard(taker, taker.ask(AdoptLayers(bundle, side_in), timeout=self.ask_timeout_s))
+        except BaseException:
+            # the receiver is gone or refused: the layers go back where they were, so the giver's part of the
+            # model stays whole (if the giver is gone too, the pipeline is broken either way)
+            try:
+                await self._guard(giver, giver.ask(AdoptLayers(bundle, side_out), timeout=self.ask_timeout_s))
+            except Exception:  # the original failure is the one to report
+                pass
+            raise
         return Move(list(bundle.indices), source, target, bundle.nbytes, time.perf_counter() - started)
 
     async def drain(self) -> None:
