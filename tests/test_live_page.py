@@ -112,6 +112,7 @@ def test_page_shows_a_dni_job_and_its_layer_groups(tmp_path: Path) -> None:
         assert list(groups.values()) == ["alive", "alive"]
         assert status["history"][-1]["accuracy"] > 0.3
         assert status["series"][-1]["samples_per_s"] > 0
+        assert status["job"]["split"] == "0-1 | 2-4"
 
         if shutil.which("chromium"):
             done = chromium(tmp_path, "--dump-dom", f"http://{address}/")
@@ -119,5 +120,6 @@ def test_page_shows_a_dni_job_and_its_layer_groups(tmp_path: Path) -> None:
             assert '<h2 style="margin-top:12px" id="replicas-title">Layer groups</h2>' in done.stdout
             for name in groups:
                 assert name in done.stdout
+            assert "stage 0: layers 0-1" in done.stdout and "stage 1: layers 2-4" in done.stdout
     finally:
         cluster.stop()

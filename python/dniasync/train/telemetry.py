@@ -78,6 +78,15 @@ DNI_SG_STALENESS = FAMILIES.summary(
     "dniasync_dni_sg_staleness_updates",
     "Updates a layer group made between a batch's forward and the SG fit on its true gradient.", "group")
 
+DNI_COMPUTE = FAMILIES.summary(
+    "dniasync_dni_group_compute_seconds",
+    "Forward plus backward time a stage spends in its own layers per trained batch (measured per layer; what "
+    "regrouping balances).", "group")
+DNI_LAYERS = FAMILIES.gauge("dniasync_dni_group_layers", "Layers a stage holds now (regrouping moves them).", "group")
+DNI_LAYER_MOVES = FAMILIES.counter("dniasync_dni_group_layer_moves_total",
+                                   "Layers a stage gave to a neighbour or took from one (direction: out, in).",
+                                   "group", "direction")
+
 PS_REJECT_REASONS: Final = ("stale", "duplicate", "zombie", "nonfinite", "bad_payload")
 
 
@@ -148,6 +157,16 @@ class LayerGroupState(Protocol):
     @property
     def sg(self) -> Any:
         """None, or the SG model: ``steps`` and ``losses`` (a bounded deque appended from a worker thread)."""
+    @property
+    def compute_seconds(self) -> float: ...
+    @property
+    def compute_batches(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def layers_in(self) -> int: ...
+    @property
+    def layers_out(self) -> int: ...
 
 
 def _collect_replicas(system: ActorSystem, reps: Sequence[ReplicaState]) -> Iterator[Metric]:
@@ -189,14 +208,21 @@ def _collect_ps_shards(system: ActorSystem,
 
 def _collect_layer_groups(system: ActorSystem, groups: Sequence[LayerGroupState]) -> Iterator[Metric]:
     families = {d: d.family() for d in (DNI_STEPS, DNI_STEP_TIME, DNI_SG_LOSS, DNI_SG_STEPS, DNI_QUEUE,
-                                         DNI_EVICTIONS, DNI_LATE, DNI_SG_STALENESS)}
+                                         DNI_EVICTIONS, DNI_LATE, DNI_SG_STALENESS, DNI_COMPUTE, DNI_LAYERS,
+                                         DNI_LAYER_MOVES)}
     step_time = families[DNI_STEP_TIME]
     staleness = families[DNI_SG_STALENESS]
+    compute = families[DNI_COMPUTE]
     assert isinstance(step_time, SummaryMetricFamily) and isinstance(staleness, SummaryMetricFamily)
+    assert isinstance(compute, SummaryMetricFamily)
     for group in groups:
         label = [group.ref.name]
         add_sample(families[DNI_STEPS], label, group.steps)
         step_time.add_metric(label, group.forwards, group.forward_seconds)
+        compute.add_metric(label, group.compute_batches, group.compute_seconds)
+        add_sample(families[DNI_LAYERS], label, group.n_layers)
+        add_sample(families[DNI_LAYER_MOVES], [*label, "out"], group.layers_out)
+        add_sample(families[DNI_LAYER_MOVES], [*label, "in"], group.layers_in)
         add_sample(families[DNI_QUEUE], label, system.mailbox_depth(group.ref))
         add_sample(families[DNI_EVICTIONS], label, group.evictions)
         add_sample(families[DNI_LATE], label, group.late_gradients)

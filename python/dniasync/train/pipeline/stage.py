@@ -108,6 +108,9 @@ class Stage(Actor):
         self.spare = list(spare) if spare is not None else None
         self.first_layer = first_layer
         self.clock = LayerClock(layers, first_layer)
+        self._clock_before = (0.0, 0)  # what earlier clocks (before the layers last changed) measured
+        self.layers_in = 0
+        self.layers_out = 0
         self.rule = rule if rule is not None else make_rule(settings, shape)
         if self.rule.urgent_gradients:
             self.urgent_messages = (Gradient,)
@@ -359,6 +362,19 @@ class Stage(Actor):
         return StageState(names, tensors)
 
     # -- regrouping -------------------------------------------------------------------
+    @property
+    def compute_seconds(self) -> float:
+        """Seconds spent in this stage's layers (forward and backward) since it started, whatever they were."""
+        return self._clock_before[0] + sum(self.clock.totals()[0])
+
+    @property
+    def compute_batches(self) -> int:
+        return self._clock_before[1] + self.clock.totals()[1]
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
     def _optimizer(self) -> torch.optim.Optimizer:
         if not isinstance(self.params, LocalOptimizer):
             raise RuntimeError(f"{self.ref.address}: layers of a stage synchronised through PS shards cannot move")
@@ -377,6 +393,8 @@ class Stage(Actor):
         self.rule.connect(self.upstream is not None)
         self.sg = self.rule.sg
         self._sg_seen = self._input_seen = 0  # positions in the old models' loss records
+        seconds, batches = self.clock.totals()
+        self._clock_before = (self._clock_before[0] + sum(seconds), self._clock_before[1] + batches)
         self.clock.close()
         self.clock = LayerClock(self.layers, first_layer)
         self._kept.clear()
@@ -425,6 +443,7 @@ class Stage(Actor):
     async def release_layers(self, msg: ReleaseLayers) -> LayerBundle:
         self._check_idle("give layers away")
         bundle = await self.run_blocking(self._release, msg.count, msg.side)
+        self.layers_out += len(bundle.indices)
         self.trace("released", -1)
         return bundle
 
@@ -432,6 +451,7 @@ class Stage(Actor):
     async def adopt_layers(self, msg: AdoptLayers) -> StageStats:
         self._check_idle("take layers")
         await self.run_blocking(self._adopt, msg.bundle, msg.side)
+        self.layers_in += len(msg.bundle.indices)
         self.trace("adopted", -1)
         return self.stats(StatsRequest())
 
