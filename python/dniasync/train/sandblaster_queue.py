@@ -155,6 +155,11 @@ class Board:
     loss: float = math.nan
     line_search_evals: int = 0
     losses: list[float] = field(default_factory=list)
+    walls: list[float] = field(default_factory=list)
+    """Seconds since the coordinator started, at the end of each iteration (``losses[i + 1]``)."""
+    batch_seconds: list[float] = field(default_factory=list)
+    """How long each batch (one gradient over the training set) took, from opening the queue to its last commit."""
+    started: float = 0.0
     command_bytes: int = 0
     """Bytes of every command to the shards and of their replies."""
     command_scalars: int = 0
@@ -183,6 +188,7 @@ class SandblasterCoordinator(Actor):
         self._task: asyncio.Task[None] | None = None
 
     async def on_start(self) -> None:
+        self.board.started = time.monotonic()
         self._task = asyncio.create_task(self._drive(), name=f"{self.name}-lbfgs")
 
     async def on_stop(self) -> None:
@@ -207,6 +213,7 @@ class SandblasterCoordinator(Actor):
     async def _iterated(self, n_iter: int, result: LBFGSResult) -> None:
         b = self.board
         b.iterations, b.loss, b.losses = n_iter, result.losses[-1], list(result.losses)
+        b.walls.append(time.monotonic() - b.started)
         b.line_search_evals = sum(result.line_search_evals)
         log.info("L-BFGS iteration %d: loss %.6g, step %.3g (%d evaluations)", n_iter, b.loss, result.steps[-1],
                  result.line_search_evals[-1])
@@ -225,12 +232,14 @@ class SandblasterCoordinator(Actor):
         await self._all(Trial(batch, t))
         self._batch_done.clear()
         self.queue.start(batch)
+        opened = time.monotonic()
         while not self.queue.complete:
             try:
                 await asyncio.wait_for(self._batch_done.wait(), WAIT_TICK_S)
             except TimeoutError:
                 self._check_replicas()
         self.queue.active = False
+        self.board.batch_seconds.append(time.monotonic() - opened)
         replicas, seqs = self.queue.keys()
         await self._all(Reduce(batch, replicas, seqs, 1.0 / self.n_train))
         self.board.evaluations += 1

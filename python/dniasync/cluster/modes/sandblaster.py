@@ -230,7 +230,10 @@ class _SandblasterJob:
             if isinstance(value, float) and not math.isfinite(value):
                 continue
             report.set_metric(key, value)
-        report.set_metric("train_losses", ",".join(f"{v:.17g}" for v in self.board.losses))
+        b = self.board
+        report.set_metric("train_losses", ",".join(f"{v:.17g}" for v in b.losses))
+        report.set_metric("iteration_walls", ",".join(f"{v:.4f}" for v in b.walls))
+        report.set_metric("batch_seconds", ",".join(f"{v:.4f}" for v in b.batch_seconds))
         try:
             params = await self._params()
         except ActorError:
