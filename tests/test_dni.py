@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import math
 
 import pytest
 import torch
@@ -43,6 +44,7 @@ from dniasync.train.pipeline import (
     validate_groups,
 )
 from dniasync.train.pipeline.rules import CDNIRule
+from dniasync.train.pipeline.synthetic import AGREEMENT_DECAY
 
 torch.set_num_threads(1)
 
@@ -268,6 +270,62 @@ async def test_sg_fit_rows_fits_the_synthetic_gradient_on_the_first_rows_only() 
         torch.testing.assert_close(got, want)
     everything.fit(h_out, labels, target)  # all four rows would have moved it elsewhere
     assert not torch.allclose(everything.net[0].weight, sg.net[0].weight)
+
+
+def test_synthetic_gradient_measures_its_agreement_with_the_true_gradient() -> None:
+    """|M − g| / |g| is measured on the prediction a fit starts from; the gain is |g|² / |M − g|², at most 1."""
+    torch.manual_seed(4)
+    sg = SyntheticGradient(6, hidden_layers=0, lr=1e-2)
+    h, target = torch.randn(5, 6), torch.randn(5, 6) * 0.1
+    assert sg.gain == 1.0 and sg.relative_error != sg.relative_error  # nothing measured: NaN
+    sg.fit(h, None, target)  # the prediction was zero: its error is the gradient itself
+    assert sg.relative_error == pytest.approx(1.0) and sg.gain == pytest.approx(1.0)
+    with torch.no_grad():
+        for p in sg.parameters():
+            p.normal_(0.0, 1.0)
+    pred = sg(h).detach()
+    d = AGREEMENT_DECAY
+    want = math.sqrt(
+        (float((pred - target).pow(2).sum()) + d * float(target.pow(2).sum()))
+        / (d * float(target.pow(2).sum()) + float(target.pow(2).sum()))
+    )
+    sg.fit(h, None, target)
+    assert sg.relative_error == pytest.approx(want, rel=1e-5)
+    assert want > 2.0 and sg.gain == pytest.approx(1.0 / want**2, rel=1e-5)
+
+
+async def test_synthetic_step_is_scaled_by_the_sg_models_gain() -> None:
+    """A synthetic step moves the layers by lr · gain · gradient (plain SGD), and the bootstrapped target is unscaled."""
+    torch.manual_seed(5)
+    layers = nn.Sequential(nn.Linear(12, 8))
+    sg = SyntheticGradient(8, num_classes=10, hidden_layers=0, lr=1e-2)
+    with torch.no_grad():
+        for p in sg.parameters():
+            p.normal_(0.0, 1.0)
+    h, labels = torch.randn(4, 12), torch.tensor([1, 2, 3, 4])
+    sg.fit(layers(h).detach(), labels, torch.randn(4, 8) * 0.01)  # a poor model: gain well below 1
+    gain = sg.gain
+    assert 0.0 < gain < 0.5
+    before, sg_before = copy.deepcopy(layers), copy.deepcopy(sg)
+    settings, shape = StageSettings(rule="cdni", optimizer="sgd", lr=0.1), StageShape(12, 8, 12, last=False)
+    async with ActorSystem() as system:
+        rec = await system.spawn(Recorder, name="recorder")
+        group = await system.spawn(Stage, layers, settings, shape, rule=CDNIRule(settings, shape, sg=sg), name="g1")
+        await group.ask(Connect([rec], [rec], rec))
+        await group.tell(Forward(0, 0, 1, 1.0, h, labels))
+        await group.ask(StatsRequest())
+        received = await rec.ask(StatsRequest())
+
+    h_in = h.clone().requires_grad_(True)
+    h_out = before(h_in)
+    synthetic = sg_before(h_out.detach(), labels)
+    h_out.backward(synthetic)
+    for got, p in zip(layers.parameters(), before.parameters(), strict=True):
+        assert p.grad is not None
+        torch.testing.assert_close(got.detach(), p.detach() - 0.1 * gain * p.grad)
+    upstream = next(m for m in received if isinstance(m, Gradient))
+    assert h_in.grad is not None
+    torch.testing.assert_close(upstream.gradient, h_in.grad)
 
 
 # -- whole pipelines -----------------------------------------------------------------------

@@ -6,6 +6,7 @@ are DNI's own overhead) and record their recent losses for stats and metrics.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 
 from ..param_sync import make_optimizer
 
-__all__ = ["SyntheticGradient", "SyntheticInput"]
+__all__ = ["AGREEMENT_DECAY", "SyntheticGradient", "SyntheticInput"]
 
 
 class _ConvSG(nn.Module):
@@ -70,7 +71,11 @@ class _Regressor(nn.Module):
         value = float(loss.detach())
         self.losses.append(value)
         self.steps += 1
+        self._measured(pred.detach(), target.detach())
         return value
+
+    def _measured(self, pred: torch.Tensor, target: torch.Tensor) -> None:
+        """What the prediction made before this fit step says of the model (the SG model's agreement)."""
 
     def mean_loss_since(self, seen: int) -> tuple[float, int]:
         """Mean of the losses recorded after step ``seen`` (NaN if none), and the step count now."""
@@ -79,6 +84,10 @@ class _Regressor(nn.Module):
         fresh = min(self.steps - seen, len(self.losses))
         recent = list(self.losses)[-fresh:]
         return sum(recent) / len(recent), self.steps
+
+
+AGREEMENT_DECAY = 0.98
+"""Agreement of an SG model with the true gradients: an average over about 50 returning batches."""
 
 
 class SyntheticGradient(_Regressor):
@@ -92,6 +101,15 @@ class SyntheticGradient(_Regressor):
     shapes are flattened for the MLP. The output layer is zero-initialised, so before any training the
     synthetic gradient is exactly zero. Trained by :meth:`fit` (MSE, its own
     optimizer) on the gradient that arrives later from downstream.
+
+    Each fit also measures how the prediction it starts from, ``M``, agrees
+    with the true gradient ``g`` (moving averages over returning batches of
+    ``<M, g>``, ``|M|²`` and ``|g|²``): :attr:`relative_error`
+    ``|M − g| / |g|`` and :attr:`gain`, the ratio of the true gradient's
+    energy to the prediction error's, ``|g|² / |M − g|²``, at most 1. Late in
+    training the true gradient shrinks while the model's error does not: the
+    relative error passes 1 and a step along ``M`` is mostly noise. The DNI
+    rules scale the learning rate of their synthetic steps by the gain.
     """
 
     def __init__(
@@ -121,6 +139,28 @@ class SyntheticGradient(_Regressor):
         super().__init__(net, lr, optimizer, history)
         self.features = features
         self.num_classes = num_classes
+        self._dot = 0.0
+        self._pred_sq = 0.0
+        self._target_sq = 0.0
+
+    def _measured(self, pred: torch.Tensor, target: torch.Tensor) -> None:
+        d = AGREEMENT_DECAY
+        self._dot = d * self._dot + float((pred * target).sum())
+        self._pred_sq = d * self._pred_sq + float((pred * pred).sum())
+        self._target_sq = d * self._target_sq + float((target * target).sum())
+
+    @property
+    def gain(self) -> float:
+        """``|g|² / |M − g|²`` over recent fits, at most 1; 1 before any fit."""
+        error = self.relative_error
+        return 1.0 if not error > 1.0 else 1.0 / (error * error)
+
+    @property
+    def relative_error(self) -> float:
+        """``|M − g| / |g|`` over recent fits (NaN before any)."""
+        if self._target_sq <= 0.0:
+            return float("nan")
+        return math.sqrt(max(0.0, self._pred_sq - 2.0 * self._dot + self._target_sq) / self._target_sq)
 
     def _inputs(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         if not self.conv:

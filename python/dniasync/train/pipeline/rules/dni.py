@@ -8,6 +8,18 @@ from ``M``). When the batch's true gradient comes back, it trains ``M``. cDNI
 feeds ``M`` the labels too. With synthetic inputs a stage after the first also
 predicts its input from the raw data and trains on it before the real input
 arrives.
+
+The synthetic step is gated by the SG model's measured agreement with the
+true gradients that came back (:attr:`SyntheticGradient.gain`: the true
+gradient's energy over the prediction error's, ``|g|² / |M − g|²``, at most
+1): the stage's learning rate is multiplied by it for that step (with PS
+shards, which run their own optimizer, the layers' gradient is; the gradient
+sent upstream never is). Without the gate some cDNI runs fell well below
+their best in their last epochs: the true gradient shrinks with the loss
+while the SG model's error does not, so late synthetic gradients were mostly
+noise (``|M − g| / |g|`` rising from about 1 to 3-5 on a collapsing run,
+``benchmarks/bench_dni.py``'s setup) and Adam kept stepping at full size
+along them. An error below the gradient's own size leaves the step alone.
 """
 
 from __future__ import annotations
@@ -17,6 +29,7 @@ from typing import ClassVar
 
 import torch
 
+from ...param_sync import LocalOptimizer
 from ..protocol import Forward, Gradient, RawInput
 from ..settings import StageSettings, StageShape
 from ..synthetic import SyntheticGradient, SyntheticInput
@@ -103,7 +116,20 @@ class DNIRule(UpdateRule):
         assert self.sg is not None
         with torch.no_grad():
             grad = self.sg(h_out.detach(), labels)
-        return stage.backward(h_in, h_out, grad, zero=True, step=True)
+        gain = self.sg.gain
+        if not isinstance(stage.params, LocalOptimizer):  # the shards' optimizer: scale the gradient of the layers
+            grad_in = stage.backward(h_in, h_out, grad, zero=True, step=False)
+            stage.step_with({n: p.grad * gain for n, p in stage.layers.named_parameters() if p.grad is not None})
+            return grad_in
+        groups = stage.params.optimizer.param_groups
+        lrs = [g["lr"] for g in groups]
+        for g in groups:
+            g["lr"] = g["lr"] * gain
+        try:
+            return stage.backward(h_in, h_out, grad, zero=True, step=True)
+        finally:
+            for g, lr in zip(groups, lrs):
+                g["lr"] = lr
 
     def _synthetic_input_step(self, stage: StageContext, x: torch.Tensor, labels: torch.Tensor) -> None:
         assert self.input_model is not None
