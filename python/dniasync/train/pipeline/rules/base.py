@@ -30,7 +30,7 @@ from ..protocol import Forward, Gradient, RawInput
 from ..settings import StageSettings, StageShape
 from ..synthetic import SyntheticGradient, SyntheticInput
 
-__all__ = ["NOTHING", "Kept", "Outcome", "StageContext", "UpdateRule"]
+__all__ = ["NOTHING", "Kept", "Outcome", "StageContext", "TrueGradientRule", "UpdateRule"]
 
 R = TypeVar("R")
 V = TypeVar("V")
@@ -165,3 +165,20 @@ class UpdateRule:
     async def on_raw_input(self, stage: StageContext, msg: RawInput) -> Outcome:
         """A batch's raw inputs, sent ahead of its activations."""
         return NOTHING
+
+
+class TrueGradientRule(UpdateRule):
+    """A rule that learns from true gradients only (sync, async, stash, spectrain).
+
+    By default a stage keeps the batch's graph until its gradient is back.
+    """
+
+    @classmethod
+    def check(cls, settings: StageSettings) -> None:
+        if settings.synthetic_inputs:
+            raise ValueError("synthetic inputs need the rule 'dni' or 'cdni'")
+
+    async def after_forward(
+        self, stage: StageContext, msg: Forward, h_in: torch.Tensor, h_out: torch.Tensor
+    ) -> Outcome:
+        return Outcome(keep=Kept(h_in, h_out, msg.labels, msg.step_id, msg.parts, stage.steps))

@@ -10,30 +10,17 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
-
-from ..protocol import Forward, Gradient
-from ..settings import StageSettings
-from .base import Kept, Outcome, StageContext, UpdateRule
+from ..protocol import Gradient
+from .base import Kept, Outcome, StageContext, TrueGradientRule
 
 __all__ = ["GPipeRule"]
 
 
-class GPipeRule(UpdateRule):
+class GPipeRule(TrueGradientRule):
     """Keep graphs, accumulate micro-batches, update when the last part's true gradient is back."""
 
     flush: ClassVar[bool] = True
     # gradients keep their order of arrival: all forwards of a step, then their backwards, as in GPipe
-
-    @classmethod
-    def check(cls, settings: StageSettings) -> None:
-        if settings.synthetic_inputs:
-            raise ValueError("synthetic inputs need the rule 'dni' or 'cdni'")
-
-    async def after_forward(
-        self, stage: StageContext, msg: Forward, h_in: torch.Tensor, h_out: torch.Tensor
-    ) -> Outcome:
-        return Outcome(keep=Kept(h_in, h_out, msg.labels, msg.step_id, msg.parts, stage.steps))
 
     async def on_gradient(self, stage: StageContext, kept: Kept, msg: Gradient) -> Outcome:
         assert kept.h_in is not None

@@ -52,7 +52,7 @@ from torch.func import functional_call
 from ...param_sync import LocalOptimizer
 from ..protocol import Forward, Gradient
 from ..settings import StageSettings, StageShape
-from .base import Kept, Outcome, StageContext, UpdateRule
+from .base import Kept, Outcome, StageContext, TrueGradientRule
 
 __all__ = ["GAP_WINDOW", "AsyncRule", "SpecTrainRule", "StashRule", "predict_weights", "prior_gap"]
 
@@ -80,16 +80,11 @@ def _input(stage: StageContext, h_in: torch.Tensor) -> torch.Tensor:
     return h_in.detach().requires_grad_(stage.upstream is not None)
 
 
-class _RealGradientRule(UpdateRule):
+class _RealGradientRule(TrueGradientRule):
     """Keep what the batch's backward needs; back-propagate its true gradient and step at once (1F1B)."""
 
     # 1F1B: a returning gradient goes before the forwards queued at the stage
     urgent_gradients: ClassVar[bool] = True
-
-    @classmethod
-    def check(cls, settings: StageSettings) -> None:
-        if settings.synthetic_inputs:
-            raise ValueError("synthetic inputs need the rule 'dni' or 'cdni'")
 
     async def after_forward(
         self, stage: StageContext, msg: Forward, h_in: torch.Tensor, h_out: torch.Tensor
@@ -169,11 +164,8 @@ class StashRule(_RealGradientRule):
     def stash_bytes(self) -> tuple[int, int]:
         return self._bytes, self._peak_bytes
 
-    async def after_forward(
-        self, stage: StageContext, msg: Forward, h_in: torch.Tensor, h_out: torch.Tensor
-    ) -> Outcome:
-        # the graph itself: it holds the stashed weights, which no step touches
-        return Outcome(keep=Kept(h_in, h_out, msg.labels, msg.step_id, msg.parts, stage.steps))
+    # the graph itself is kept: it holds the stashed weights, which no step touches
+    after_forward = TrueGradientRule.after_forward
 
     async def on_gradient(self, stage: StageContext, kept: Kept, msg: Gradient) -> Outcome:
         assert kept.h_in is not None
