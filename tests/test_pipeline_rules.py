@@ -7,24 +7,29 @@ its forward met (checked by checksums of the weights, not by timing).
 
 from __future__ import annotations
 
+import copy
+import math
+
 import pytest
 import torch
 from sklearn.datasets import load_digits
 from torch import nn
 
-from dniasync import ActorSystem, Directive
+from dniasync import Actor, ActorSystem, Directive, handler
 from dniasync.train.pipeline import (
     PipelineDriver,
     Schedule,
     Stage,
     StageSettings,
+    StageShape,
     batch_order,
     build_stages,
     spawn_stages,
     train_backprop,
 )
-from dniasync.train.pipeline.protocol import Forward, Gradient
+from dniasync.train.pipeline.protocol import Connect, Done, Forward, Gradient, StageDown, StatsRequest
 from dniasync.train.pipeline.rules import RULES, Kept, Outcome, StageContext, get_rule
+from dniasync.train.pipeline.rules import real
 from dniasync.train.pipeline.rules.real import SpecTrainRule, StashRule, predict_weights, prior_gap
 
 torch.set_num_threads(1)
@@ -211,3 +216,63 @@ async def test_spectrain_measures_the_gap_it_predicts_with(digits: tuple[torch.T
     # the window's mean of the gaps measured is what the stage counted as staleness (20 batches, window 32)
     assert rules[0].gap == pytest.approx(result.stats[0].sg_staleness_total / 20)
     assert rules[0].gap > 0
+
+
+class _Sink(Actor):
+    """Stands for the stage downstream and the monitor: takes every message, answers StatsRequest."""
+
+    @handler(Forward, Gradient, Done, StageDown)
+    def take(self, msg: object) -> None:
+        pass
+
+    @handler
+    def ping(self, msg: StatsRequest) -> int:
+        return 0
+
+
+async def test_spectrain_prediction_error_is_measured_against_the_weights_the_backward_met(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One probed batch, driven by hand: |Ŵ − W| and |W_fwd − W| equal a replay of the same steps.
+
+    Batches 0 and 1 go forward, come back (two steps); batch 2 goes forward on the predicted weights
+    (the probe), batch 3 too; 3 comes back first (a step), then 2: W is the weights after three steps.
+    A Linear layer's weight gradient does not depend on its weights, so the steps replay exactly.
+    """
+    monkeypatch.setattr(real, "PROBE_EVERY", 3)  # the third forward that predicts is probed
+    torch.manual_seed(7)
+    layer = nn.Sequential(nn.Linear(4, 3))
+    reference = copy.deepcopy(layer)
+    xs, gs = [torch.randn(2, 4) for _ in range(4)], [torch.randn(2, 3) for _ in range(4)]
+    labels = torch.tensor([0, 1])
+    settings = StageSettings(rule="spectrain", optimizer="sgd", lr=0.1, momentum=0.5, max_in_flight=2)
+    rule = SpecTrainRule(settings, StageShape(4, 3, 4, last=False, index=0, stages=2))
+    assert rule.diagnostics()["prediction_error"] != rule.diagnostics()["prediction_error"]  # NaN: no probe yet
+    async with ActorSystem() as system:
+        sink = await system.spawn(_Sink, name="sink")
+        stage = await system.spawn(Stage, layer, settings, rule.shape, rule=rule, name="stage")
+        await stage.ask(Connect([], [sink], sink))
+        for kind, b in (("f", 0), ("f", 1), ("g", 0), ("g", 1), ("f", 2), ("f", 3), ("g", 3), ("g", 2)):
+            await stage.tell(Forward(b, b, 1, 1.0, xs[b], labels) if kind == "f" else Gradient(b, gs[b]))
+            await stage.ask(StatsRequest())  # handled: gradients overtake queued forwards, so one at a time
+
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.5)
+
+    def step(b: int) -> None:
+        opt.zero_grad()
+        reference(xs[b]).backward(gs[b])
+        opt.step()
+
+    step(0)
+    step(1)
+    gap = 0.5  # batch 0 came back after no step, batch 1 after one
+    forward_met = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    predicted = {n: p.detach() - gap * 0.1 * opt.state[p]["momentum_buffer"] for n, p in reference.named_parameters()}
+    step(3)
+    actual = {n: p.detach() for n, p in reference.named_parameters()}
+    error = math.sqrt(sum(float((predicted[n] - p).pow(2).sum()) for n, p in actual.items()))
+    unpredicted = math.sqrt(sum(float((forward_met[n] - p).pow(2).sum()) for n, p in actual.items()))
+    found = rule.diagnostics()
+    assert unpredicted > 0
+    assert found["prediction_error"] == pytest.approx(error, rel=1e-5)
+    assert found["unpredicted_error"] == pytest.approx(unpredicted, rel=1e-5)

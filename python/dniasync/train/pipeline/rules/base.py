@@ -148,6 +148,10 @@ class UpdateRule:
         """Bytes of weight versions the rule holds for batches in flight: (now, peak)."""
         return 0, 0
 
+    def diagnostics(self) -> dict[str, float]:
+        """What the rule measures of its own quality, by name (SG agreement, weight-prediction error); may be empty."""
+        return {}
+
     async def after_forward(
         self, stage: StageContext, msg: Forward, h_in: torch.Tensor, h_out: torch.Tensor
     ) -> Outcome:

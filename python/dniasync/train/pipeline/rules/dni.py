@@ -82,6 +82,11 @@ class DNIRule(UpdateRule):
                     optimizer=self.settings.optimizer,
                 )
 
+    def diagnostics(self) -> dict[str, float]:
+        if self.sg is None:
+            return {}
+        return {"sg_relative_error": self.sg.relative_error, "sg_gain": self.sg.gain}
+
     async def before_forward(self, stage: StageContext, msg: Forward) -> None:
         if self.input_model is not None:
             raw = self._raw.pop(msg.batch_id, None)

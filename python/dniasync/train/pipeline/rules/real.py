@@ -18,6 +18,13 @@ rules differ in the weights a batch meets:
   the weights predicted for its gradient's return, ``Ŵ = W − s·lr·v``; the
   backward meets the current weights.
 
+SpecTrain measures its prediction on one batch in :data:`PROBE_EVERY` (two
+weight copies while it is in flight): when the batch's gradient is back it
+compares the weights predicted for it, ``Ŵ``, and those its forward would
+have met unpredicted, ``W_fwd``, with the weights actually there, ``W``:
+``|Ŵ − W|`` (the prediction error) and ``|W_fwd − W|`` (the error without
+prediction, async's), means over the probes in :meth:`SpecTrainRule.diagnostics`.
+
 SpecTrain's version gap, here. A stage steps the moment a gradient is back,
 so the backward's gap is 0 (the reference implementation's ``⌊r/2⌋`` for the
 backward, and the same term in its forward gap ``⌊r/2⌋ + N − r − 1``, count
@@ -40,6 +47,7 @@ SGD only).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -54,10 +62,12 @@ from ..protocol import Forward, Gradient
 from ..settings import StageSettings, StageShape
 from .base import Kept, Outcome, StageContext, TrueGradientRule
 
-__all__ = ["GAP_WINDOW", "AsyncRule", "SpecTrainRule", "StashRule", "predict_weights", "prior_gap"]
+__all__ = ["GAP_WINDOW", "PROBE_EVERY", "AsyncRule", "SpecTrainRule", "StashRule", "predict_weights", "prior_gap"]
 
 GAP_WINDOW: Final = 32
 """SpecTrain predicts with the mean version gap of this many recent batches."""
+PROBE_EVERY: Final = 16
+"""SpecTrain measures its prediction error on one batch in this many."""
 
 
 @contextmanager
@@ -240,6 +250,12 @@ class SpecTrainRule(_RealGradientRule):
         super().__init__(settings, shape)
         self._gaps: deque[int] = deque(maxlen=GAP_WINDOW)
         self.prior = prior_gap(shape.index, shape.stages, settings.max_in_flight)
+        self._forwards = 0
+        self._probe: tuple[int, Mapping[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
+        """(batch id, the weights predicted for it, those its forward would have met unpredicted)"""
+        self._probes = 0
+        self._error_sum = 0.0
+        self._unpredicted_sum = 0.0
 
     @classmethod
     def check(cls, settings: StageSettings) -> None:
@@ -257,11 +273,43 @@ class SpecTrainRule(_RealGradientRule):
             return None
         if not isinstance(stage.params, LocalOptimizer):
             raise RuntimeError("spectrain predicts from the stage's own optimizer: it needs pipeline.replicas = 1")
-        return await stage.run_blocking(predict_weights, stage.layers, stage.params.optimizer, gap)
+        predicted = await stage.run_blocking(predict_weights, stage.layers, stage.params.optimizer, gap)
+        self._forwards += 1
+        if self._probe is None and self._forwards % PROBE_EVERY == 0:
+            with torch.no_grad():
+                now = {n: p.detach().clone() for n, p in stage.layers.named_parameters()}
+            self._probe = (msg.batch_id, predicted, now)
+        return predicted
 
     async def on_gradient(self, stage: StageContext, kept: Kept, msg: Gradient) -> Outcome:
         self._gaps.append(stage.steps - kept.at_step)
+        if self._probe is not None and self._probe[0] == msg.batch_id:
+            self._measure(stage.layers, *self._probe[1:])
         return await super().on_gradient(stage, kept, msg)
+
+    def on_late_gradient(self, batch_id: int) -> Outcome:
+        if self._probe is not None and self._probe[0] == batch_id:
+            self._probe = None
+        return super().on_late_gradient(batch_id)
+
+    def _measure(
+        self, layers: nn.Module, predicted: Mapping[str, torch.Tensor], unpredicted: dict[str, torch.Tensor]
+    ) -> None:
+        with torch.no_grad():
+            actual = dict(layers.named_parameters())
+            error = sum(float((predicted[n] - p).pow(2).sum()) for n, p in actual.items())
+            stale = sum(float((unpredicted[n] - p).pow(2).sum()) for n, p in actual.items())
+        self._probe = None
+        self._probes += 1
+        self._error_sum += math.sqrt(error)
+        self._unpredicted_sum += math.sqrt(stale)
+
+    def diagnostics(self) -> dict[str, float]:
+        """``version_gap``: the gap predicted with now; ``prediction_error``: mean ``|Ŵ − W|`` over the probes,
+        ``unpredicted_error``: mean ``|W_fwd − W|`` (NaN before any probe)."""
+        n = self._probes
+        return {"version_gap": self.gap, "prediction_error": self._error_sum / n if n else math.nan,
+                "unpredicted_error": self._unpredicted_sum / n if n else math.nan}
 
 
 def forward_with(layers: nn.Module, weights: Mapping[str, torch.Tensor] | None, x: torch.Tensor) -> torch.Tensor:
