@@ -39,6 +39,7 @@ __all__ = [
     "KeyProblem",
     "ModelConfig",
     "OptimizerConfig",
+    "ScheduleConfig",
     "Section",
     "StopConfig",
     "config_reference",
@@ -217,9 +218,23 @@ class RegroupConfig(Section, frozen=True):
         "finds best for it instead of `pipeline.groups` (which still gives the number of stages)"))] = False
 
 
+class ScheduleConfig(Section, frozen=True):
+    """Batch-size schedule (modes `downpour` and `hogwild`): the mini-batch grows as training goes; lr unchanged."""
+
+    kind: Annotated[Literal["fixed", "stepwise"], Meta(description=(
+        "`fixed`: data.batch_size throughout; `stepwise`: start x factor^floor(epoch / every_epochs), at most end. "
+        "The lr is not scaled: a growing batch at a fixed lr lowers the gradient noise as training goes, which is "
+        "what the schedule is for (Smith et al. 2018); Byrd's dynamic sampling is in dniasync.train.schedules"))] = "fixed"
+    start: Annotated[int, Meta(ge=1, description="the first batch size (default data.batch_size)")] | None = None
+    end: Annotated[int, Meta(ge=1, description="the largest batch size")] = 512
+    every_epochs: Annotated[float, Meta(gt=0.0, description="grow every this many epochs")] = 1.0
+    factor: Annotated[float, Meta(ge=1.0, description="each growth multiplies the batch size by this")] = 2.0
+
+
 _COMMON: Final[dict[str, type[Section]]] = {
     "job": JobConfig, "model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
     "stop": StopConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "regroup": RegroupConfig,
+    "schedule": ScheduleConfig,
 }
 _REQUIRED: Final = ("job", "model", "data")
 
@@ -238,6 +253,7 @@ class Config:
     eval: EvalConfig
     checkpoint: CheckpointConfig
     regroup: RegroupConfig = RegroupConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
 
     @property
     def mode(self) -> str:
@@ -264,6 +280,9 @@ class Config:
         regroup = to_table(self.regroup)
         if regroup:
             out["regroup"] = regroup
+        schedule = to_table(self.schedule)
+        if schedule:
+            out["schedule"] = schedule
         return out
 
 
@@ -303,7 +322,15 @@ def parse_config(raw: Mapping[str, Any], *, resolve: bool = True) -> Config:
         eval=convert_section("eval", _table(raw, "eval"), EvalConfig),
         checkpoint=convert_section("checkpoint", _table(raw, "checkpoint"), CheckpointConfig),
         regroup=convert_section("regroup", _table(raw, "regroup"), RegroupConfig),
+        schedule=convert_section("schedule", _table(raw, "schedule"), ScheduleConfig),
     )
+    if "schedule" in raw and job.mode not in ("downpour", "hogwild"):
+        raise ConfigError(f"section '[schedule]' applies to job.mode 'downpour' and 'hogwild', not {job.mode!r}",
+                          "schedule")
+    start = config.schedule.start or config.data.batch_size
+    if config.schedule.kind == "stepwise" and config.schedule.end < start:
+        raise ConfigError(f"'schedule.end' is {config.schedule.end}, below the first batch size {start}",
+                          "schedule.end")
     if "regroup" in raw and job.mode != "pipeline":
         raise ConfigError(f"section '[regroup]' applies only to job.mode = 'pipeline', not {job.mode!r}", "regroup")
     mode.check(config, raw)

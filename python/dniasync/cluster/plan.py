@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from ..train.schedules import ScheduleSpec
 from ..train.specs import CodecSpec, DataSpec, ModelSpec, OptimizerSpec
 from .config import Config
 
-__all__ = ["codec_spec", "data_spec", "model_spec", "optimizer_spec"]
+__all__ = ["codec_spec", "data_spec", "model_spec", "optimizer_spec", "schedule_spec"]
 
 
 def model_spec(config: Config) -> ModelSpec:
@@ -15,7 +16,15 @@ def model_spec(config: Config) -> ModelSpec:
 def data_spec(config: Config) -> DataSpec:
     d = config.data
     return DataSpec(d.dataset, d.reader_kwargs(), d.n_train, d.n_test, config.job.seed, d.batch_size,
-                    config.n_data_shards)
+                    config.n_data_shards, schedule_spec(config))
+
+
+def schedule_spec(config: Config) -> ScheduleSpec | None:
+    """``[schedule]`` for the workers (None when the batch size is fixed)."""
+    s = config.schedule
+    if s.kind == "fixed":
+        return None
+    return ScheduleSpec(s.kind, s.start or config.data.batch_size, s.end, s.every_epochs, s.factor)
 
 
 def optimizer_spec(config: Config) -> OptimizerSpec:

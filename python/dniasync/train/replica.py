@@ -36,6 +36,7 @@ from ..actors import Actor, ActorError, ActorRef, handler, message
 from .data import DataCursor
 from .flat import FlatModel, flatten_parameters
 from .param_sync import ShardLink
+from .schedules import BatchSchedule
 from .messages import Progress, Shards, StopTraining
 from .specs import PSLinkSpec, ReplicaSpec, SharedStoreSpec
 from .telemetry import track_replica
@@ -234,7 +235,11 @@ class Replica(Actor):
     def _next_indices(self) -> np.ndarray:
         shard = sorted(self.cursors)[self._turn % len(self.cursors)]
         self._turn += 1
-        indices, self.cursors[shard] = self.shard_plan.next_batch(self.cursors[shard], self.spec.data.batch_size)
+        cursor, size = self.cursors[shard], self.spec.data.batch_size
+        if self.spec.data.schedule is not None:  # the batch grows with the epoch (train/schedules.py)
+            size = BatchSchedule(self.spec.data.schedule).batch_size(
+                cursor.epoch + cursor.position / self.shard_plan.shard_size(shard))
+        indices, self.cursors[shard] = self.shard_plan.next_batch(cursor, size)
         return indices
 
     def _compute_many(self, batches: list[np.ndarray]) -> list[float]:

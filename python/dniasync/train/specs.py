@@ -16,6 +16,7 @@ import numpy as np
 from .. import _core
 from ..actors import ActorRef, message
 from .data import ShardPlan, load_dataset, split
+from .schedules import ScheduleSpec
 
 if TYPE_CHECKING:
     import torch
@@ -63,6 +64,8 @@ class DataSpec:
     seed: int
     batch_size: int
     n_shards: int
+    schedule: ScheduleSpec | None = None
+    """How the batch size grows (None: ``batch_size`` throughout)."""
 
     def load_split(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(train x, train y, held-out x, held-out y) as tensors."""

@@ -1,0 +1,135 @@
+"""Batch-size schedules: stepwise growth, lr scaling, Byrd's norm test, and their use with a data cursor."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dniasync.train.data import DataCursor, ShardPlan
+from dniasync.train.schedules import BatchSchedule, NormTest, ScheduleSpec
+
+
+def test_stepwise_growth_doubles_every_k_epochs_up_to_end_and_keeps_lr_by_default() -> None:
+    s = BatchSchedule(ScheduleSpec("stepwise", start=32, end=512, every_epochs=2))
+    assert [s.batch_size(e) for e in (0, 1.99, 2, 4, 6, 8, 30)] == [32, 32, 64, 128, 256, 512, 512]
+    assert s.lr_factor(8) == 1.0
+    linear = BatchSchedule(ScheduleSpec("stepwise", start=32, end=512, every_epochs=2, lr_scaling="linear"))
+    assert linear.lr_factor(4) == 4.0
+    root = BatchSchedule(ScheduleSpec("stepwise", start=32, end=512, every_epochs=2, lr_scaling="sqrt"))
+    assert root.lr_factor(4) == pytest.approx(2.0)
+    assert BatchSchedule(ScheduleSpec("fixed", start=64, end=64)).batch_size(100) == 64
+
+
+def test_bad_schedules_are_refused() -> None:
+    with pytest.raises(ValueError, match="kind"):
+        ScheduleSpec("sometimes")
+    with pytest.raises(ValueError, match="start"):
+        ScheduleSpec("stepwise", start=600, end=512)
+    with pytest.raises(ValueError, match="lr_scaling"):
+        ScheduleSpec("stepwise", lr_scaling="cubic")
+
+
+def test_the_norm_test_grows_the_sample_only_when_the_gradient_is_noisy() -> None:
+    rng = np.random.default_rng(0)
+    mean = np.ones(50)
+    quiet = [mean + 0.01 * rng.normal(size=50) for _ in range(4)]
+    noisy = [mean + 5.0 * rng.normal(size=50) for _ in range(4)]
+    schedule = BatchSchedule(ScheduleSpec("dynamic", start=32, end=512, theta=0.5))
+    assert schedule.observe(0.1, quiet, 8) == 32  # the test passes: the sample stays
+    grown = schedule.observe(0.2, noisy, 8)
+    assert 32 < grown <= 512 and schedule.grown == [(0.2, grown)]
+    assert NormTest(0.5).wanted(noisy, 8) > NormTest(5.0).wanted(noisy, 8)  # a looser test asks for less
+    strict = BatchSchedule(ScheduleSpec("dynamic", start=32, end=512, theta=0.05))
+    assert strict.observe(0.3, noisy, 8) == 512  # capped at end
+
+
+def test_a_cursor_walks_an_epoch_with_a_growing_batch() -> None:
+    plan = ShardPlan(1000, 1, seed=0)
+    schedule = BatchSchedule(ScheduleSpec("stepwise", start=100, end=400, every_epochs=1))
+    cursor, sizes, seen = DataCursor(0), [], []
+    while cursor.epoch < 3:
+        epoch = cursor.epoch + cursor.position / plan.shard_size(0)
+        indices, cursor = plan.next_batch(cursor, schedule.batch_size(epoch))
+        sizes.append(len(indices))
+        seen.append(indices)
+    assert sizes[:10] == [100] * 10 and max(sizes) == 400
+    assert sorted(np.concatenate(seen[:10]).tolist()) == list(range(1000))  # epoch 0 covered once
+
+
+JOB = """
+[job]
+name = "{name}"
+mode = "downpour"
+seed = 1
+output_dir = "{out}"
+
+[model]
+factory = "dniasync.train.models:mlp"
+kwargs = {{ sizes = [64, 32, 10] }}
+
+[data]
+dataset = "digits"
+n_train = 1400
+n_test = 397
+batch_size = 16
+
+[optimizer]
+name = "adagrad"
+lr = 0.05
+
+[downpour]
+n_replicas = 2
+n_ps_shards = 1
+
+[stop]
+max_epochs = 4
+max_seconds = 300
+
+[eval]
+every_seconds = 1.0
+{schedule}
+"""
+
+
+def run_downpour(tmp_path: Path, name: str, schedule: str) -> dict[str, Any]:
+    out = tmp_path / name
+    config = tmp_path / f"{name}.toml"
+    config.write_text(JOB.format(name=name, out=out, schedule=schedule))
+    proc = subprocess.run([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    assert doc["stop_reason"] == "trained 4 epochs", doc["stop_reason"]
+    return doc
+
+
+def test_a_downpour_job_with_a_stepwise_schedule_takes_fewer_larger_steps(tmp_path: Path) -> None:
+    fixed = run_downpour(tmp_path, "fixed", "")
+    grown = run_downpour(tmp_path, "grown", "[schedule]\nkind = 'stepwise'\nend = 128\nevery_epochs = 1.0\n")
+
+    def per_push(doc: dict[str, Any]) -> float:  # n_push = 1: one push per step
+        return float(doc["samples"]) / doc["metrics"]["ps0_applied"]
+
+    assert per_push(fixed) <= 16
+    # epochs 0, 1, 2, 3 at 16, 32, 64, 128 per step: 4 epochs in 2 * (44 + 22 + 11 + 6) steps, ~34 per step
+    assert per_push(grown) > 1.5 * per_push(fixed)
+    assert grown["final_accuracy"] > 0.5
+
+
+def test_the_schedule_section_is_refused_where_no_mode_reads_it() -> None:
+    from dniasync.cluster.config import ConfigError, parse_config
+
+    raw = {"job": {"name": "x", "mode": "sandblaster"}, "model": {"factory": "dniasync.train.models:mlp"},
+           "data": {"dataset": "digits", "n_train": 100, "n_test": 10}, "schedule": {"kind": "stepwise"}}
+    with pytest.raises(ConfigError, match="schedule"):
+        parse_config(raw, resolve=False)
+    raw["job"]["mode"] = "downpour"
+    raw["schedule"] = {"kind": "stepwise", "start": 64, "end": 32}
+    with pytest.raises(ConfigError, match="schedule.end"):
+        parse_config(raw, resolve=False)
