@@ -7,6 +7,7 @@ types are structural so this module imports no training code (nor torch).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final, Protocol
 
@@ -82,6 +83,15 @@ DNI_COMPUTE = FAMILIES.summary(
     "dniasync_dni_group_compute_seconds",
     "Forward plus backward time a stage spends in its own layers per trained batch (measured per layer; what "
     "regrouping balances).", "group")
+DNI_VERSION_GAP = FAMILIES.summary(
+    "dniasync_dni_group_version_gap_updates",
+    "Updates a stage made between a batch's forward and the return of its true gradient (its version gap).", "group")
+DNI_STASH_BYTES = FAMILIES.gauge("dniasync_dni_group_stash_bytes",
+                                 "Bytes of weight versions a stage holds for batches in flight (rule stash).", "group")
+DNI_ESTIMATE_ERROR = FAMILIES.gauge(
+    "dniasync_dni_group_estimate_error_ratio",
+    "Relative error of what a stage steps on instead of the truth: |M - g| / |g| of its SG model (dni, cdni), "
+    "|W_predicted - W| / |W_forward - W| of its weight prediction (spectrain).", "group")
 DNI_LAYERS = FAMILIES.gauge("dniasync_dni_group_layers", "Layers a stage holds now (regrouping moves them).", "group")
 DNI_LAYER_MOVES = FAMILIES.counter("dniasync_dni_group_layer_moves_total",
                                    "Layers a stage gave to a neighbour or took from one (direction: out, in).",
@@ -162,6 +172,9 @@ class LayerGroupState(Protocol):
     @property
     def compute_batches(self) -> int: ...
     @property
+    def rule(self) -> Any:
+        """The stage's update rule: ``stash_bytes()`` and ``diagnostics()``."""
+    @property
     def n_layers(self) -> int: ...
     @property
     def layers_in(self) -> int: ...
@@ -209,12 +222,13 @@ def _collect_ps_shards(system: ActorSystem,
 def _collect_layer_groups(system: ActorSystem, groups: Sequence[LayerGroupState]) -> Iterator[Metric]:
     families = {d: d.family() for d in (DNI_STEPS, DNI_STEP_TIME, DNI_SG_LOSS, DNI_SG_STEPS, DNI_QUEUE,
                                          DNI_EVICTIONS, DNI_LATE, DNI_SG_STALENESS, DNI_COMPUTE, DNI_LAYERS,
-                                         DNI_LAYER_MOVES)}
+                                         DNI_LAYER_MOVES, DNI_VERSION_GAP, DNI_STASH_BYTES, DNI_ESTIMATE_ERROR)}
     step_time = families[DNI_STEP_TIME]
     staleness = families[DNI_SG_STALENESS]
     compute = families[DNI_COMPUTE]
+    version_gap = families[DNI_VERSION_GAP]
     assert isinstance(step_time, SummaryMetricFamily) and isinstance(staleness, SummaryMetricFamily)
-    assert isinstance(compute, SummaryMetricFamily)
+    assert isinstance(compute, SummaryMetricFamily) and isinstance(version_gap, SummaryMetricFamily)
     for group in groups:
         label = [group.ref.name]
         add_sample(families[DNI_STEPS], label, group.steps)
@@ -227,6 +241,17 @@ def _collect_layer_groups(system: ActorSystem, groups: Sequence[LayerGroupState]
         add_sample(families[DNI_EVICTIONS], label, group.evictions)
         add_sample(families[DNI_LATE], label, group.late_gradients)
         sg = group.sg
+        # every returning true gradient adds to staleness_sum: SG fits (DNI) or steps (real-gradient rules)
+        version_gap.add_metric(label, sg.steps if sg is not None else group.steps, group.staleness_sum)
+        add_sample(families[DNI_STASH_BYTES], label, group.rule.stash_bytes()[0])
+        measured = group.rule.diagnostics()
+        if "prediction_error" in measured:
+            unpredicted = measured["unpredicted_error"]
+            ratio = measured["prediction_error"] / unpredicted if unpredicted else math.nan
+        else:
+            ratio = measured.get("sg_relative_error", math.nan)
+        if math.isfinite(ratio):
+            add_sample(families[DNI_ESTIMATE_ERROR], label, ratio)
         if sg is not None:
             add_sample(families[DNI_SG_STEPS], label, sg.steps)
             staleness.add_metric(label, sg.steps, group.staleness_sum)
