@@ -31,9 +31,19 @@ the slowest batch over the median batch (the first batch, which waits for the
 replicas to load their data, left out) is reported (the issue's goal: at most 1.5).
 ``--quick`` takes a few minutes on a loaded machine: three clusters start.
 
+Batch-size schedules (``dniasync.train.schedules``), one process each, plain
+SGD lr 0.5 (unchanged when the batch grows), an MLP 784-128-10, the same
+number of epochs, 5 seeds (model init and data order): fixed 32, fixed 512,
+stepwise 32 -> 512 doubling every 2 epochs, and Byrd's dynamic sampling
+(start 32, norm test θ on 4 parts of a batch every 10 updates). Median
+held-out accuracy at the end and optimizer updates.
+
 Ratios: ``sandblaster_exactness_ok`` (1 or 0), ``sandblaster_vs_single_lbfgs``
-(single-process time to the target loss / Sandblaster's).
-``schedule_updates_saving`` is not produced here yet (batch-size schedules are not built).
+(single-process time to the target loss / Sandblaster's),
+``schedule_updates_saving`` (fixed-32 updates / stepwise-growth updates over
+the same epochs; the accuracy gap between them is in the results).
+``--part optimizers|schedules`` runs one half (into its own JSON,
+``bench_optimizers_<part>.json``); the default runs both.
 """
 
 from __future__ import annotations
@@ -234,9 +244,99 @@ def plot(results: dict[str, Any], path: Path, target_loss: float, target_acc: fl
     fig.savefig(path, dpi=110)
 
 
+SCHEDULE_LR = 0.5
+SCHEDULES = {
+    "fixed_32": {"kind": "fixed", "start": 32, "end": 32},
+    "fixed_512": {"kind": "fixed", "start": 512, "end": 512},
+    "stepwise_32_512": {"kind": "stepwise", "start": 32, "end": 512, "every_epochs": 2.0},
+    "dynamic_32_512": {"kind": "dynamic", "start": 32, "end": 512, "theta": 0.5, "chunks": 4},
+}
+
+
+def train_with_schedule(spec_fields: dict[str, Any], seed: int, epochs: int, n_train: int,
+                        lr: float = SCHEDULE_LR) -> dict[str, Any]:
+    """Plain SGD on an MLP with the batch size of a schedule; (final held-out accuracy, updates, sizes)."""
+    from dniasync.train.data import DataCursor, ShardPlan, load_dataset, split
+    from dniasync.train.models import build_model
+    from dniasync.train.schedules import BatchSchedule, ScheduleSpec
+
+    torch.set_num_threads(1)
+    schedule = BatchSchedule(ScheduleSpec(**spec_fields))
+    train, test = split(load_dataset("mnist5k"), n_train, 1000, seed)
+    x, y = torch.from_numpy(train.x), torch.from_numpy(train.y)
+    x_test, y_test = torch.from_numpy(test.x), torch.from_numpy(test.y)
+    model = build_model("dniasync.train.models:mlp", {"sizes": [784, 128, 10]}, seed=seed)
+    params = list(model.parameters())
+    plan, cursor = ShardPlan(n_train, 1, seed), DataCursor(0)
+    updates, sizes = 0, []
+    while cursor.epoch < epochs:
+        epoch = cursor.epoch + cursor.position / n_train
+        indices, cursor = plan.next_batch(cursor, schedule.batch_size(epoch))
+        idx = torch.from_numpy(indices)
+        if schedule.needs_chunks and updates % 10 == 0 and len(idx) >= 8:
+            parts = torch.chunk(idx, 4)
+            chunk_grads = []
+            for part in parts:
+                loss = F.cross_entropy(model(x[part]), y[part])
+                chunk_grads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
+            grad = sum(c * len(p) for c, p in zip(chunk_grads, parts)) / len(idx)
+            schedule.observe(epoch, [c.numpy() for c in chunk_grads], len(parts[0]))
+        else:
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            grad = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)])
+        with torch.no_grad():
+            flat = torch.nn.utils.parameters_to_vector(params) - lr * schedule.lr_factor(epoch) * grad
+            torch.nn.utils.vector_to_parameters(flat, params)
+        updates += 1
+        sizes.append(len(idx))
+    with torch.no_grad():
+        accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
+    return {"accuracy": accuracy, "updates": updates, "final_batch": sizes[-1],
+            "grown": [[round(e, 3), b] for e, b in schedule.grown]}
+
+
+def run_schedules(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
+    seeds = [0, 1] if quick else [0, 1, 2, 3, 4]
+    epochs, n_train = (4, 1000) if quick else (12, 4000)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SCHEDULES}
+    for seed in seeds:
+        for name, fields in SCHEDULES.items():
+            run = train_with_schedule(fields, seed, epochs, n_train)
+            runs[name].append(run)
+            _common.say(f"  seed {seed} {name:16s} accuracy {run['accuracy']:.4f} updates {run['updates']}")
+    table = {name: {"median_accuracy": float(np.median([r["accuracy"] for r in rs])),
+                    "median_updates": float(np.median([r["updates"] for r in rs])), "runs": rs}
+             for name, rs in runs.items()}
+    results = {"epochs": epochs, "n_train": n_train, "seeds": seeds, "lr": SCHEDULE_LR, "lr_scaling": "none",
+               "schedules": table,
+               "stepwise_vs_fixed_32_points": 100 * (table["stepwise_32_512"]["median_accuracy"]
+                                                     - table["fixed_32"]["median_accuracy"]),
+               "stepwise_vs_fixed_512_points": 100 * (table["stepwise_32_512"]["median_accuracy"]
+                                                      - table["fixed_512"]["median_accuracy"]),
+               "stepwise_updates_fraction": table["stepwise_32_512"]["median_updates"]
+               / table["fixed_32"]["median_updates"]}
+    ratios = {"schedule_updates_saving": table["fixed_32"]["median_updates"]
+              / table["stepwise_32_512"]["median_updates"]}
+    rows = [(name, f"{t['median_accuracy']:.4f}", f"{t['median_updates']:.0f}") for name, t in table.items()]
+    _common.say("\n" + _common.table(rows, ("schedule", "median held-out accuracy", "median updates")))
+    return results, ratios
+
+
 def main() -> None:
-    args = _common.parser(__doc__.split("\n")[0]).parse_args()
+    p = _common.parser(__doc__.split("\n")[0])
+    p.add_argument("--part", choices=["all", "optimizers", "schedules"], default="all")
+    args = p.parse_args()
     quick = args.quick
+    sched_results: dict[str, Any] = {}
+    sched_ratios: dict[str, float] = {}
+    if args.part in ("all", "schedules"):
+        _common.say("batch-size schedules")
+        sched_results, sched_ratios = run_schedules(quick)
+        if args.part == "schedules":
+            path = _common.write("bench_optimizers_schedules", quick, {"schedules": sched_results}, sched_ratios)
+            _common.say(f"\nwrote {path}")
+            return
+    bench = "bench_optimizers" if args.part == "all" else "bench_optimizers_optimizers"
     n_train, iterations = (1000, 12) if quick else (4000, 40)
     target_loss, target_acc = (0.35, 0.82) if quick else (0.25, 0.88)
     seconds = 60 if quick else 300
@@ -284,11 +384,13 @@ def main() -> None:
                   "wall_s": fr_doc["wall_s"], "stop_reason": fr_doc["stop_reason"]}
     results = {"targets": {"train_loss": target_loss, "accuracy": target_acc}, "iterations": iterations,
                "n_train": n_train, "sandblaster_relative_difference": rel, "systems": systems, "frozen_replica": frozen}
-    ratios: dict[str, float] = {"sandblaster_exactness_ok": 1.0 if rel <= 1e-4 else 0.0}
+    if sched_results:
+        results["schedules"] = sched_results
+    ratios: dict[str, float] = {"sandblaster_exactness_ok": 1.0 if rel <= 1e-4 else 0.0, **sched_ratios}
     t_single, t_sb = systems["single_lbfgs"]["time_to_loss_s"], systems["sandblaster"]["time_to_loss_s"]
     if t_single is not None and t_sb:
         ratios["sandblaster_vs_single_lbfgs"] = t_single / t_sb
-    path = _common.write("bench_optimizers", quick, results, ratios)
+    path = _common.write(bench, quick, results, ratios)
     png = path.with_suffix(".png")
     plot(results, png, target_loss, target_acc)
 
