@@ -295,7 +295,7 @@ def test_synthetic_gradient_measures_its_agreement_with_the_true_gradient() -> N
 
 
 async def test_synthetic_step_is_scaled_by_the_sg_models_gain() -> None:
-    """A synthetic step moves the layers by lr · gain · gradient (plain SGD), and the bootstrapped target is unscaled."""
+    """A synthetic step moves the layers by lr · gain · gradient (plain SGD); the target sent upstream is unscaled."""
     torch.manual_seed(5)
     layers = nn.Sequential(nn.Linear(12, 8))
     sg = SyntheticGradient(8, num_classes=10, hidden_layers=0, lr=1e-2)

@@ -216,6 +216,10 @@ async def test_spectrain_measures_the_gap_it_predicts_with(digits: tuple[torch.T
     # the window's mean of the gaps measured is what the stage counted as staleness (20 batches, window 32)
     assert rules[0].gap == pytest.approx(result.stats[0].sg_staleness_total / 20)
     assert rules[0].gap > 0
+    # the 16th forward of the first stage was probed: its prediction error reaches the stage's stats
+    assert math.isfinite(result.stats[0].prediction_error)
+    assert result.stats[0].prediction_error == rules[0].diagnostics()["prediction_error"]
+    assert math.isnan(result.stats[-1].prediction_error)  # the last stage predicts nothing
 
 
 class _Sink(Actor):

@@ -244,12 +244,7 @@ def _collect_layer_groups(system: ActorSystem, groups: Sequence[LayerGroupState]
         # every returning true gradient adds to staleness_sum: SG fits (DNI) or steps (real-gradient rules)
         version_gap.add_metric(label, sg.steps if sg is not None else group.steps, group.staleness_sum)
         add_sample(families[DNI_STASH_BYTES], label, group.rule.stash_bytes()[0])
-        measured = group.rule.diagnostics()
-        if "prediction_error" in measured:
-            unpredicted = measured["unpredicted_error"]
-            ratio = measured["prediction_error"] / unpredicted if unpredicted else math.nan
-        else:
-            ratio = measured.get("sg_relative_error", math.nan)
+        ratio = group.rule.diagnostics().get("estimate_error_ratio", math.nan)
         if math.isfinite(ratio):
             add_sample(families[DNI_ESTIMATE_ERROR], label, ratio)
         if sg is not None:

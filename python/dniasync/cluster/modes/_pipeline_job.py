@@ -421,6 +421,9 @@ class PipelineJob:
                     report.set_metric(f"{key}_sg_staleness_mean", s.sg_staleness_total / s.sg_steps)
                 if math.isfinite(s.input_loss):
                     report.set_metric(f"{key}_input_loss_last", s.input_loss)
+                for name in ("estimate_error_ratio", "prediction_error"):  # the rule's own measure (spectrain, SG)
+                    if math.isfinite(getattr(s, name)):
+                        report.set_metric(f"{key}_{name}", getattr(s, name))
         await record_ps_stats(report, self.runner.ps)  # one shard per stage
         for key, value in self._sg_first.items():
             report.set_metric(f"{key}_sg_loss_first", value)

@@ -189,8 +189,17 @@ class _Pipeline:
         for key in sorted(k for k in metrics if k.endswith("_version_gap_mean")):
             group = key.removesuffix("_version_gap_mean")
             stash = metrics.get(group + "_stash_peak_bytes")
+            predicted = metrics.get(group + "_prediction_error")
             lines.append(f"  {group + ' version gap':18s} {metrics[key]:.2f} updates per batch (mean)"
-                         + (f", stash peak {stash / 1024:,.1f} KiB" if stash else ""))
+                         + (f", stash peak {stash / 1024:,.1f} KiB" if stash else "")
+                         + (f", prediction error |Ŵ−W| {predicted:.3g} "
+                            f"({metrics.get(group + '_estimate_error_ratio', float('nan')):.2f} of no prediction's)"
+                            if predicted is not None else ""))
+        for key in sorted(k for k in metrics if k.endswith("_estimate_error_ratio")):
+            group = key.removesuffix("_estimate_error_ratio")
+            if group + "_sg_loss_last" in metrics:
+                lines.append(f"  {group + ' SG error':18s} |M−g|/|g| {metrics[key]:.2f} (the synthetic step's lr "
+                             f"is scaled by min(1, 1/{metrics[key]:.2f}²))")
         return lines
 
     def job(self, config: Config, runner: JobRunner) -> ModeJob:

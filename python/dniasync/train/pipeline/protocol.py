@@ -165,6 +165,11 @@ class StageStats:
     """Per layer of the stage (first to last): forward plus backward seconds spent on it since the layers last
     changed, over ``layer_batches`` trained batches (measured per layer on the stage, for regrouping)."""
     layer_batches: int = 0
+    estimate_error_ratio: float = float("nan")
+    """The relative error of what the stage steps on instead of the truth (:meth:`UpdateRule.diagnostics`:
+    SpecTrain ``|Ŵ − W| / |W_fwd − W|``, an SG model ``|M − g| / |g|``); NaN if not measured."""
+    prediction_error: float = float("nan")
+    """SpecTrain's mean ``|Ŵ − W|`` over its probes (NaN otherwise)."""
 
 
 @message("dniasync.dni.StateRequest")

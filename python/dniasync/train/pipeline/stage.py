@@ -332,6 +332,7 @@ class Stage(Actor):
     @handler
     def stats(self, msg: StatsRequest) -> StageStats:
         sg, inputs = self.rule.sg, self.rule.input_model
+        measured = self.rule.diagnostics()
         sg_loss, self._sg_seen = sg.mean_loss_since(self._sg_seen) if sg is not None else (float("nan"), 0)
         input_loss, self._input_seen = (
             inputs.mean_loss_since(self._input_seen) if inputs is not None else (float("nan"), 0)
@@ -351,6 +352,8 @@ class Stage(Actor):
             *self.rule.stash_bytes(),
             self.first_layer,
             *self.clock.totals(),
+            measured.get("estimate_error_ratio", math.nan),
+            measured.get("prediction_error", math.nan),
         )
 
     @handler

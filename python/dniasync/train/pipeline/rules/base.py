@@ -149,7 +149,11 @@ class UpdateRule:
         return 0, 0
 
     def diagnostics(self) -> dict[str, float]:
-        """What the rule measures of its own quality, by name (SG agreement, weight-prediction error); may be empty."""
+        """What the rule measures of its own quality, by name (SG agreement, weight-prediction error); may be empty.
+
+        ``estimate_error_ratio``, when present: the relative error of what the stage steps on instead of the truth
+        (exported per stage, in its stats and the job's summary).
+        """
         return {}
 
     async def after_forward(

@@ -85,7 +85,8 @@ class DNIRule(UpdateRule):
     def diagnostics(self) -> dict[str, float]:
         if self.sg is None:
             return {}
-        return {"sg_relative_error": self.sg.relative_error, "sg_gain": self.sg.gain}
+        error = self.sg.relative_error
+        return {"sg_relative_error": error, "sg_gain": self.sg.gain, "estimate_error_ratio": error}
 
     async def before_forward(self, stage: StageContext, msg: Forward) -> None:
         if self.input_model is not None:

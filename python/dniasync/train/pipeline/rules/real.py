@@ -308,8 +308,9 @@ class SpecTrainRule(_RealGradientRule):
         """``version_gap``: the gap predicted with now; ``prediction_error``: mean ``|Ŵ − W|`` over the probes,
         ``unpredicted_error``: mean ``|W_fwd − W|`` (NaN before any probe)."""
         n = self._probes
+        ratio = self._error_sum / self._unpredicted_sum if self._unpredicted_sum else math.nan
         return {"version_gap": self.gap, "prediction_error": self._error_sum / n if n else math.nan,
-                "unpredicted_error": self._unpredicted_sum / n if n else math.nan}
+                "unpredicted_error": self._unpredicted_sum / n if n else math.nan, "estimate_error_ratio": ratio}
 
 
 def forward_with(layers: nn.Module, weights: Mapping[str, torch.Tensor] | None, x: torch.Tensor) -> torch.Tensor:
