@@ -197,7 +197,14 @@ class _SandblasterJob:
         }
 
     def extra(self) -> dict[str, Any]:
-        return {k: v for k, v in self._figures().items() if not (isinstance(v, float) and math.isnan(v))}
+        figures = {k: v for k, v in self._figures().items() if not (isinstance(v, float) and math.isnan(v))}
+        loss = f"{figures['train_loss']:.5g}" if "train_loss" in figures else "-"
+        figures["lbfgs"] = (  # the live page's line
+            f"iteration {figures['iterations']} · training loss {loss} · {figures['evaluations']} batch gradients "
+            f"({figures['line_search_evals']} in line searches) · {figures['portions_reissued']} portions reissued "
+            f"({figures['backup_tasks']} backup tasks, {figures['duplicates_dropped']} duplicates dropped) · "
+            f"{figures['coordinator_bytes_per_iteration']:,.0f} coordinator bytes per iteration")
+        return figures
 
     async def _params(self) -> np.ndarray:
         replies = await asyncio.gather(*(ps.ask(Fetch(-1), timeout=10.0) for ps in self._shard_refs()))
