@@ -226,6 +226,8 @@ class _Supervisor:
         self.restarts = _Restarts()
         self.restart_workers = get_mode(config.mode).member_kind == "replica"
         """Data-parallel workers come back as new replicas; a pipeline's stages are not restarted yet."""
+        self._restarted: dict[str, int] = {}
+        """slot -> restarts so far (each restart logs to a file of its own)."""
         self._seen_alive: set[int] = set()
         """pids of workers whose replica the job has reported alive."""
 
@@ -288,7 +290,7 @@ class _Supervisor:
         index = self.cluster.children.index(child)
         print(f"\n{child.role} process {child.slot} ({child.address}) exited ({child.proc.returncode}); restarting it "
               f"(see {child.log})", file=self.out, flush=True)
-        n = len(self.restarts.times.get(child.slot, []))
+        self._restarted[child.slot] = n = self._restarted.get(child.slot, 0) + 1
         log = self.cluster.out / "logs" / f"{child.slot}.restart{n}.log"
         slot = int(child.slot.removeprefix(child.role))
         if child.role == "ps":  # on its address: the replicas' refs to the shard stay valid
