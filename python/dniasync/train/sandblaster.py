@@ -351,7 +351,13 @@ class SandblasterReplica(Actor):
             if reply.batch != self.batch:  # a new batch: what was accumulated belongs to a finished one
                 held, losses = [], []
                 self.acc.fill(0.0)
-                if not await self._fetch(reply.batch):
+                try:
+                    fetched = await self._fetch(reply.batch)
+                except (ActorError, TimeoutError) as exc:  # a shard unreachable for now: ask the queue again
+                    log.warning("%s: parameters of batch %d not fetched: %r", self.name, reply.batch, exc)
+                    fetched = False
+                if not fetched:
+                    self.batch = -1
                     await asyncio.sleep(IDLE_WAIT_S)
                     continue
                 self.batch = reply.batch
