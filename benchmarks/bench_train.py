@@ -58,11 +58,12 @@ is in results too).
 A second section answers "is it faster than just running torch?" on a
 compute-bound model, the MLP 784-2048-2048-10 (one step's compute dominates
 its messaging), same data and batch, evaluated every 0.5 s, ``--big-reps``
-(3) runs of ``--big-seconds`` (15): ``big_torch_all_cores`` (one process,
+(3) runs of ``--big-seconds`` (20): ``big_torch_all_cores`` (one process,
 ``torch.set_num_threads(os.cpu_count())``, Adagrad lr 0.05) beside
 ``big_torch_ddp``, ``big_torch_hogwild``, ``big_dniasync_downpour`` and
 ``big_dniasync_hogwild`` (2 processes of 1 thread each, the example configs
-with only the model sizes changed): every system gets all the cores.
+with only the model sizes changed): every system gets all the cores; and
+``big_torch_single`` (one thread) for context.
 
 Ratios (bigger is better): hogwild_vs_torch_hogwild (samples/s),
 downpour_vs_ddp (DDP's time to 92% / Downpour's), codec_bytes_reduction
@@ -128,6 +129,7 @@ LABELS = {
     "big_torch_all_cores": f"torch, 1 process, {os.cpu_count()} threads (Adagrad)",
     "big_torch_ddp": "torch DDP gloo, 2 procs (Adagrad)",
     "big_torch_hogwild": "torch Hogwild, 2 procs (SGD)",
+    "big_torch_single": "torch, 1 process, 1 thread (Adagrad)",
     "big_dniasync_downpour": "dniasync Downpour, 2 replicas + 2 PS",
     "big_dniasync_hogwild": "dniasync Hogwild, 2 procs",
 }
@@ -435,9 +437,9 @@ def run_system(name: str, seconds: float, work: Path, log: Path) -> dict[str, An
 PAIRS = [("torch_hogwild", "dniasync_hogwild"), ("torch_ddp", "dniasync_downpour"),
          ("dniasync_downpour_threshold", "torch_single")]
 BIG_SYSTEMS = ["big_torch_all_cores", "big_dniasync_hogwild", "big_dniasync_downpour", "big_torch_ddp",
-               "big_torch_hogwild"]
+               "big_torch_hogwild", "big_torch_single"]
 BIG_BLOCKS = [("big_torch_all_cores", "big_dniasync_hogwild", "big_dniasync_downpour"),
-              ("big_torch_ddp", "big_torch_hogwild")]
+              ("big_torch_ddp", "big_torch_hogwild", "big_torch_single")]
 
 
 def run_order(systems: list[str], rep: int, pairs: list[tuple[str, ...]] = PAIRS) -> list[str]:
@@ -526,12 +528,12 @@ def main() -> None:
     p.add_argument("--big-reps", type=int, default=None,
                    help="runs of every compute-bound system (default 3; 1 with --quick)")
     p.add_argument("--big-seconds", type=float, default=None,
-                   help="training seconds per compute-bound run (default 15; 5 with --quick)")
+                   help="training seconds per compute-bound run (default 20; 5 with --quick)")
     args = p.parse_args()
     reps = args.reps or (1 if args.quick else 5)
     seconds = args.seconds or (3.0 if args.quick else 5.0)
     big_reps = args.big_reps or (1 if args.quick else 3)
-    big_seconds = args.big_seconds or (5.0 if args.quick else 15.0)
+    big_seconds = args.big_seconds or (5.0 if args.quick else 20.0)
     systems = [s for s in args.systems.split(",") if s]
     if args.quick and args.systems == p.get_default("systems"):
         # under a minute: DDP is the slowest to start; of the compute-bound model, the two a goal compares
@@ -595,6 +597,7 @@ def main() -> None:
     per_rep_context = {  # the torch alternatives on the compute-bound model, against all-core torch
         "ddp_vs_torch_all_cores": paired(runs, "big_torch_all_cores", "big_torch_ddp", "time_to_92_s"),
         "torch_hogwild_vs_torch_all_cores": paired(runs, "big_torch_all_cores", "big_torch_hogwild", "time_to_92_s"),
+        "torch_one_thread_vs_torch_all_cores": paired(runs, "big_torch_all_cores", "big_torch_single", "time_to_92_s"),
     }
     results["compute_bound_context_ratios"] = {k: median(v) for k, v in per_rep_context.items() if v}
     results["paired_ratios_per_rep"] = per_rep
