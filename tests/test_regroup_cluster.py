@@ -120,3 +120,23 @@ def test_a_regroup_section_outside_a_pipeline_job_is_refused() -> None:
     del raw["pipeline"]
     with pytest.raises(ConfigError, match=r"'\[regroup\]' applies only to job.mode = 'pipeline'"):
         parse_config(raw, resolve=False)
+
+
+def test_a_profiled_job_starts_from_the_split_its_profile_chose(tmp_path: Path) -> None:
+    out = tmp_path / "profiled"
+    config = tmp_path / "profiled.toml"
+    config.write_text(JOB.format(name="profiled", out=out, method="sync", epochs=2).replace(
+        "cooldown_s = 0.0\n", "cooldown_s = 1000.0\nprofile = true\n").replace("max_in_flight = 4\n", ""))
+    proc = subprocess.run([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((out / "summary.json").read_text())
+    profiled = [e for e in doc["events"] if e["kind"] == "split_profiled"]
+    placed = [e for e in doc["events"] if e["kind"] == "groups_placed"]
+    assert len(profiled) == 1 and len(placed) == 1
+    assert profiled[0]["configured"] == "0-3 | 4"
+    assert placed[0]["split"] == profiled[0]["split"] == doc["metrics"]["split"]
+    stages = [part.split("-") for part in profiled[0]["split"].split(" | ")]
+    assert len(stages) == 2 and stages[0][0] == "0" and stages[-1][-1] == "4"
+    assert not [e for e in doc["events"] if e["kind"] == "regrouped"]  # the cool-down outlasts the run
+    assert doc["samples"] == 2 * 1400
