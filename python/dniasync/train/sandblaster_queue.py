@@ -159,6 +159,8 @@ class Board:
     """Seconds since the coordinator started, at the end of each iteration (``losses[i + 1]``)."""
     batch_seconds: list[float] = field(default_factory=list)
     """How long each batch (one gradient over the training set) took, from opening the queue to its last commit."""
+    batch_ends_unix: list[float] = field(default_factory=list)
+    """When each batch's last portion was committed (``time.time()``: comparable across processes)."""
     started: float = 0.0
     command_bytes: int = 0
     """Bytes of every command to the shards and of their replies."""
@@ -240,6 +242,7 @@ class SandblasterCoordinator(Actor):
                 self._check_replicas()
         self.queue.active = False
         self.board.batch_seconds.append(time.monotonic() - opened)
+        self.board.batch_ends_unix.append(time.time())
         replicas, seqs = self.queue.keys()
         await self._all(Reduce(batch, replicas, seqs, 1.0 / self.n_train))
         self.board.evaluations += 1

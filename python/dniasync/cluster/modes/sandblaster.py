@@ -241,6 +241,7 @@ class _SandblasterJob:
         report.set_metric("train_losses", ",".join(f"{v:.17g}" for v in b.losses))
         report.set_metric("iteration_walls", ",".join(f"{v:.4f}" for v in b.walls))
         report.set_metric("batch_seconds", ",".join(f"{v:.4f}" for v in b.batch_seconds))
+        report.set_metric("batch_end_unix", ",".join(f"{v:.4f}" for v in b.batch_ends_unix))
         try:
             params = await self._params()
         except ActorError:
