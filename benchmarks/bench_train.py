@@ -522,7 +522,7 @@ def fmt(v: float | None, spec: str) -> str:
 
 def main() -> None:
     p = _common.parser(__doc__.split("\n")[0])
-    p.add_argument("--reps", type=int, default=None, help="runs of every system (default 5; 1 with --quick)")
+    p.add_argument("--reps", type=int, default=None, help="runs of every system (default 3; 1 with --quick)")
     p.add_argument("--seconds", type=float, default=None, help="training seconds per run (default 5; 3 with --quick)")
     p.add_argument("--systems", default=",".join(SYSTEMS + BIG_SYSTEMS), help="comma-separated subset")
     p.add_argument("--big-reps", type=int, default=None,
@@ -530,7 +530,7 @@ def main() -> None:
     p.add_argument("--big-seconds", type=float, default=None,
                    help="training seconds per compute-bound run (default 20; 5 with --quick)")
     args = p.parse_args()
-    reps = args.reps or (1 if args.quick else 5)
+    reps = args.reps or (1 if args.quick else 3)
     seconds = args.seconds or (3.0 if args.quick else 5.0)
     big_reps = args.big_reps or (1 if args.quick else 3)
     big_seconds = args.big_seconds or (5.0 if args.quick else 20.0)
