@@ -26,12 +26,13 @@ in points (bigger is better; the acceptance asks SpecTrain >= -0.5, cDNI on the
 CNN >= -1.5). Every run's final and best accuracy and mean version gap per
 stage are in the JSON.
 
-    nice -n 10 python benchmarks/pipeline_accuracy.py [--quick] [--adam] [--seeds 0 1 2 3 4]
+    nice -n 10 python benchmarks/pipeline_accuracy.py [--quick] [--adam] [--seeds 0 1 2 3 4] [--models mlp --merge]
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import statistics
 import sys
@@ -57,7 +58,7 @@ ADAM_LR = 1e-3
 RULES = ("async", "stash", "spectrain")
 
 
-EPOCHS = {"mlp": 10, "cnn": 8}
+EPOCHS = {"mlp": 15, "cnn": 8}
 
 
 def models(epochs: dict[str, int]) -> dict[str, tuple[Callable[[], nn.Sequential], dict[int, list[list[int]]], int]]:
@@ -86,11 +87,15 @@ def table(args: Any) -> dict[str, Any]:
     specs = models({"mlp": 1, "cnn": 1} if args.quick else {"mlp": args.epochs_mlp, "cnn": args.epochs_cnn})
     rows: dict[str, list[dict[str, Any]]] = {}
     out: dict[str, Any] = {"data": {"dataset": "mnist5k", "n_train": int(x.shape[0]), "n_test": int(ex.shape[0])},
-                           "batch_size": BATCH, "momentum": MOMENTUM, "lr": ADAM_LR if args.adam else LR,
+                           "batch_size": BATCH, "momentum": MOMENTUM, "lr": ADAM_LR if args.adam else args.lr,
                            "optimizer": "adam" if args.adam else "sgd+momentum", "max_in_flight": WINDOW,
                            "epochs": {k: v[2] for k, v in specs.items()}, "seeds": args.seeds, "rows": rows}
     names = ["mlp"] if args.adam else [m for m in args.models]
-    optimizer, lr, momentum = ("adam", ADAM_LR, 0.0) if args.adam else ("sgd", LR, MOMENTUM)
+    if args.merge:  # keep the other models' rows (and epochs) of the table already written
+        previous = json.loads((_common.RESULTS / f"{args.name}.json").read_text())["results"]
+        rows.update({k: v for k, v in previous["rows"].items() if k.split()[0] not in names})
+        out["epochs"] = {k: (v if k in names else previous["epochs"][k]) for k, v in out["epochs"].items()}
+    optimizer, lr, momentum = ("adam", ADAM_LR, 0.0) if args.adam else ("sgd", args.lr, MOMENTUM)
     for seed in args.seeds:
         for name in names:
             factory, cuts, epochs = specs[name]
@@ -159,9 +164,11 @@ def main() -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=["mlp", "cnn"])
     p.add_argument("--adam", action="store_true", help="the MLP table with Adam (SpecTrain's Adam prediction)")
+    p.add_argument("--lr", type=float, default=LR, help="SGD's lr (the momentum table)")
     p.add_argument("--epochs-mlp", type=int, default=EPOCHS["mlp"])
     p.add_argument("--epochs-cnn", type=int, default=EPOCHS["cnn"])
     p.add_argument("--name", default=None, help="results file name (default: pipeline_accuracy[_adam])")
+    p.add_argument("--merge", action="store_true", help="rerun --models only, keeping the other models' rows")
     args = p.parse_args()
     args.name = args.name or "pipeline_accuracy" + ("_adam" if args.adam else "")
     torch.set_num_threads(1)
