@@ -59,7 +59,7 @@ class Chaos:
     blackhole_s: float = 5.0
     delay_ms: float = 100.0
     delay_s: float = 10.0
-    settle_s: float = 15.0
+    settle_s: float = 8.0
     wait_s: float = 300.0
     log_path: Path | None = None
     out: IO[str] = sys.stdout
@@ -67,6 +67,11 @@ class Chaos:
     injected: list[dict[str, Any]] = field(default_factory=list)
     _frozen: set[int] = field(default_factory=set)
     _round: list[str] = field(default_factory=list)
+    _before: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _after: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _after_at: float = 0.0
+    _quiet_from: float = 0.0
+    _settled: bool = True
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.faults if f not in FAULTS]
@@ -181,38 +186,43 @@ class Chaos:
             await asyncio.sleep(0.2)
         self._t0 = time.monotonic()
         self.record("start", seed=self.seed, faults=list(self.faults), every_s=self.every_s, first_s=self.first_s)
-        before: dict[str, dict[str, Any]] = {}
-        last_end = 0.0
         try:
             k = 0
             while self.count is None or k < self.count:
                 due = self._t0 + self.first_s + k * self.every_s
                 if not await self._sleep_while_running(due - time.monotonic()):
                     break
-                if not before:
-                    before = self.resources()
+                if not self._before:
+                    self._before = self.resources()
                 kind = self._next_kind()
                 entry = await self.inject(kind)
                 if entry["kind"] != "skipped":
                     self.injected.append(entry)
-                last_end = time.monotonic() + self._duration(kind)
+                self._quiet_from = time.monotonic() + self._duration(kind) + self.settle_s
+                self._settled = False
                 k += 1
-            after: dict[str, dict[str, Any]] = {}
-            if self.injected and await self._sleep_while_running(last_end + self.settle_s - time.monotonic()):
-                after = self.resources()
+            if self.injected and not self._settled:
+                await self._sleep_while_running(self._quiet_from - time.monotonic())
         finally:
             self.thaw_all()
+        before, after = self._before, self._after
         soak = {pid: {"before": before[pid], "after": after[pid]} for pid in before if pid in after}
-        self.record("soak", processes=soak)
+        self.record("soak", processes=soak, after_s=round(self._after_at - self._t0, 1) if after else None)
         return {"faults": self.injected, "soak": soak}
 
     async def _sleep_while_running(self, seconds: float) -> bool:
+        """Sleep while the job runs (False if it ended); in each quiet moment (``settle_s`` after a fault ended,
+        before the next) take the soak's reading of every process, so the last one follows (nearly) every fault."""
         end = time.monotonic() + max(0.0, seconds)
-        while time.monotonic() < end:
+        while True:
             if not self.running():
                 return False
-            await asyncio.sleep(min(0.25, end - time.monotonic()))
-        return self.running()
+            now = time.monotonic()
+            if self.injected and not self._settled and now >= self._quiet_from:
+                self._after, self._after_at, self._settled = self.resources(), now, True
+            if now >= end:
+                return True
+            await asyncio.sleep(min(0.25, end - now))
 
 
 async def control(address: str, request: dict[str, Any]) -> dict[str, Any]:
@@ -252,7 +262,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--blackhole-s", type=float, default=5.0)
     p.add_argument("--delay-ms", type=float, default=100.0)
     p.add_argument("--delay-s", type=float, default=10.0)
-    p.add_argument("--settle-s", type=float, default=15.0, help="wait after the last fault before the soak check")
+    p.add_argument("--settle-s", type=float, default=8.0,
+                   help="the soak's reading is taken this long after a fault ended (before the next one)")
     p.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the job to start training")
     p.add_argument("--log", type=Path, help="JSON lines of faults (default <job-dir>/chaos.jsonl)")
     p.add_argument("--report", type=Path, help="write the faults and the soak check here as JSON")

@@ -233,7 +233,8 @@ class JobRunner(Actor):
     async def _checkpoint(self) -> None:
         """Snapshot the PS shards, then write a checkpoint of them and of the job (off the event loop)."""
         if self.shards.refs:
-            await self.shards.snapshot()
+            # a shard that does not answer within an interval is skipped: it must not hold up the next round
+            await self.shards.snapshot(timeout_s=max(2.0, min(10.0, self.config.checkpoint.every_seconds or 10.0)))
         mode_meta, parts = self.job.checkpoint()
         meta = durable.job_state(self.report, self.wall(), self.samples(), mode_meta)
         parts = {**durable.shard_parts(self.shards.snapshots), **parts}

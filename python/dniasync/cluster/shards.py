@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 from ..actors import ActorError, ActorRef
 from ..train.messages import ShardSnapshot, SnapshotShard
@@ -134,24 +134,27 @@ class ShardKeeper:
 
     # -- snapshots -----------------------------------------------------------------
     async def snapshot(self, timeout_s: float = 10.0) -> int:
-        """Take every reachable shard's snapshot; returns how many were taken."""
-        async def one(ref: ActorRef) -> Any:
-            return await ref.ask(SnapshotShard(), timeout=timeout_s)
+        """Take every reachable shard's snapshot; returns how many were taken.
+
+        Each shard's snapshot is kept as soon as it arrives: a frozen shard delays
+        the checkpoint on disk, not the in-memory snapshot another shard restarts from.
+        """
+        samples = self._samples()
+
+        async def one(ref: ActorRef) -> bool:
+            try:
+                reply = await ref.ask(SnapshotShard(), timeout=timeout_s)
+            except (ActorError, TimeoutError) as exc:
+                log.info("no snapshot of %s this time: %r", ref.address, exc)
+                return False
+            assert isinstance(reply, ShardSnapshot)
+            self.snapshots[reply.shard] = reply
+            self._snapshot_samples[reply.shard] = samples
+            self.note_version(reply.shard, reply.version)
+            return True
 
         live = [ref for ref in self.refs if ref is not None and ref.is_alive]
-        samples = self._samples()
-        replies = await asyncio.gather(*(one(ref) for ref in live), return_exceptions=True)
-        taken = 0
-        for ref, reply in zip(live, replies):
-            if isinstance(reply, ShardSnapshot):
-                self.snapshots[reply.shard] = reply
-                self._snapshot_samples[reply.shard] = samples
-                self.note_version(reply.shard, reply.version)
-                taken += 1
-            elif isinstance(reply, ActorError | TimeoutError):
-                log.info("no snapshot of %s this time: %r", ref.address, reply)
-            elif isinstance(reply, BaseException):
-                raise reply
+        taken = sum(await asyncio.gather(*(one(ref) for ref in live)))
         if taken:
             log.info("snapshot of %d PS shard(s), versions %s", taken,
                      {k: snap.version for k, snap in sorted(self.snapshots.items())})
