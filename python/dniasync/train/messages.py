@@ -13,8 +13,8 @@ import numpy as np
 
 from ..actors import message
 
-__all__ = ["Fence", "Params", "ParamsDelta", "Progress", "Pull", "PullDelta", "Push", "ShardSnapshot", "ShardStats", "Shards", "SnapshotShard",
-           "StopTraining"]
+__all__ = ["Fence", "Params", "ParamsDelta", "Progress", "Pull", "PullDelta", "Push", "Reshard", "ShardSnapshot",
+           "ShardStats", "Shards", "SnapshotShard", "StopTraining"]
 
 
 @message("dniasync.train.Pull")
@@ -112,6 +112,22 @@ class ShardSnapshot:
     state: list[np.ndarray]
     ledger: dict[str, list[int]]
     fenced: list[str]
+
+
+@message("dniasync.train.Reshard")
+@dataclass(frozen=True)
+class Reshard:
+    """Ask a PS shard to hold another slice of the model from now on (its layers moved between stages).
+
+    ``values`` and ``state`` (the optimizer's slots) replace what it holds;
+    it continues at ``version`` (never lower than any version it served), keeps
+    its push ledger and fenced replicas, and answers every replica's next pull
+    densely. Answered with its stats.
+    """
+
+    values: np.ndarray
+    state: list[np.ndarray]
+    version: int
 
 
 @message("dniasync.train.ShardStats")

@@ -336,6 +336,7 @@ class PSParams:
         )
         self.n_fetch = n_fetch
         self.n_push = n_push
+        self._replica, self._codec, self._ask_timeout_s, self._clock = replica, codec, ask_timeout_s, clock
         self.steps = 0
         self._params = list(layers.parameters())
         self._pending = 0
@@ -368,6 +369,24 @@ class PSParams:
     async def ready(self) -> None:
         if not self._pulled:
             await self._pull()
+
+    async def flush(self) -> None:
+        """Push what has accumulated since the last push now (before the shards are re-partitioned)."""
+        if self._pending:
+            await self.link.push(self.flat.grad.numpy(), 0)
+            self.flat.grad.zero_()
+            self._pending = 0
+
+    def relinked(self, layers: nn.Module) -> PSParams:
+        """The same link settings for ``layers`` (after layers moved in or out): a new incarnation that pulls its
+        shards' new slice before its first batch. Call :meth:`flush` first: accumulated gradients do not carry."""
+        fresh = PSParams(layers, self.link.shards, replica=self._replica, n_fetch=self.n_fetch, n_push=self.n_push,
+                         incarnation=max(self.link.incarnation + 1, time.time_ns() // 1000), codec=self._codec,
+                         ask_timeout_s=self._ask_timeout_s, clock=self._clock)
+        fresh.steps = fresh._steps_synced = self.steps
+        for counter in ("bytes_pushed", "bytes_pulled", "dense_bytes_pushed", "dense_bytes_pulled", "pushes", "pulls"):
+            setattr(fresh.link, counter, getattr(self.link, counter))
+        return fresh
 
     async def sync(self) -> None:
         new_steps = self.steps - self._steps_synced

@@ -24,7 +24,18 @@ import numpy as np
 from .. import _core
 from ..actors import Actor, handler
 from .compression import Codec, CompressedTensor, DeltaCodec, make_codec
-from .messages import Fence, Params, ParamsDelta, Pull, PullDelta, Push, ShardSnapshot, ShardStats, SnapshotShard
+from .messages import (
+    Fence,
+    Params,
+    ParamsDelta,
+    Pull,
+    PullDelta,
+    Push,
+    Reshard,
+    ShardSnapshot,
+    ShardStats,
+    SnapshotShard,
+)
 from .specs import OptimizerSpec, ShardSpec
 from .staleness import PushLedger, PushVerdict, StalenessPolicy
 from .telemetry import track_ps_shard
@@ -63,16 +74,8 @@ class PSShard(Actor):
         self.spec = spec
         self.lr = spec.optimizer.lr
         self.staleness = StalenessPolicy(spec.staleness, spec.max_staleness)
-        self.n = int(spec.values.size)
-        self.store = make_store(spec.optimizer, self.n)
-        self.store.write(SEGMENT, np.ascontiguousarray(spec.values, dtype=np.float32).reshape(-1))
-        self.codecs: dict[str, Codec] = {"none": make_codec("none", self.n)}
-        codec = spec.codec
-        if codec.name != "none":
-            self.codecs[codec.name] = make_codec(codec.name, self.n, tau=codec.tau, block=codec.block)  # type: ignore[arg-type]
-        self.delta_codec = (DeltaCodec(codec.name, self.n, tau=codec.delta_tau, block=codec.block)  # type: ignore[arg-type]
-                            if codec.name != "none" else None)
-        self.resync_every = max(1, codec.resync_every)
+        self._hold(spec.values)
+        self.resync_every = max(1, spec.codec.resync_every)
         self.followers: dict[str, _Follower] = {}
         self.stream = time.time_ns() // 1000
         """This incarnation's name for its answers: a replica's echo from an earlier one never matches."""
@@ -98,8 +101,33 @@ class PSShard(Actor):
         self.dense_pulls = 0
         self.delta_pulls = 0
 
+    def _hold(self, values: np.ndarray) -> None:
+        """A fresh store and codecs for ``values`` (at version 0 of the store; the caller sets the offset)."""
+        self.n = int(values.size)
+        self.store = make_store(self.spec.optimizer, self.n)
+        self.store.write(SEGMENT, np.ascontiguousarray(values, dtype=np.float32).reshape(-1))
+        self.codecs: dict[str, Codec] = {"none": make_codec("none", self.n)}
+        codec = self.spec.codec
+        if codec.name != "none":
+            self.codecs[codec.name] = make_codec(codec.name, self.n, tau=codec.tau, block=codec.block)  # type: ignore[arg-type]
+        self.delta_codec = (DeltaCodec(codec.name, self.n, tau=codec.delta_tau, block=codec.block)  # type: ignore[arg-type]
+                            if codec.name != "none" else None)
+
     async def on_start(self) -> None:
         track_ps_shard(self.system, self, STALENESS_BUCKETS)
+
+    @handler
+    def reshard(self, msg: Reshard) -> dict[str, Any]:
+        if msg.version < self.version:
+            raise ValueError(f"shard {self.shard}: cannot go back from version {self.version} to {msg.version}")
+        self._hold(msg.values)
+        for slot, values in enumerate(msg.state, start=1):
+            self.store.write(SEGMENT, np.ascontiguousarray(values, dtype=np.float32).reshape(-1), state=slot)
+        self._version_offset = msg.version - self.store.version(SEGMENT)
+        self.followers.clear()  # what each replica held is of the old slice: the next answers are dense
+        self.stream = max(self.stream + 1, time.time_ns() // 1000)
+        log.info("shard %d now holds %d parameters (version %d)", self.shard, self.n, self.version)
+        return self.stats(ShardStats())
 
     @property
     def version(self) -> int:

@@ -13,6 +13,7 @@ from the stages. A stage that dies fails the job, naming it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import logging
 import math
@@ -25,7 +26,7 @@ import numpy as np
 
 from ...actors import ActorRef, Directive
 from ...train.data import DataCursor
-from ...train.messages import Params, Progress, Pull
+from ...train.messages import Params, Progress, Pull, Reshard, ShardSnapshot, SnapshotShard
 from ...train.specs import CodecSpec, ShardSpec, StagesSpec
 from .._schema import ConfigError
 from ..config import Config
@@ -119,6 +120,10 @@ class PipelineJob:
         self.drivers: list[PipelineDriver] = []
         self.tasks: list[asyncio.Task[None]] = []
         self._regroup_lock = asyncio.Lock()
+        self._pause: asyncio.Event | None = None
+        """Set while a regrouping of replicated stages runs: the other pipelines wait, drained, until it is done."""
+        self._parked: set[int] = set()
+        self._parked_changed = asyncio.Event()
         self._next_regroup_check = 0.0
         self._clock_seen: dict[int, tuple[int, list[float], int]] = {}
         self._moves = 0
@@ -235,7 +240,7 @@ class PipelineJob:
 
     async def _train(self, r: int, driver: PipelineDriver) -> None:
         try:
-            between = self._maybe_regroup if self.regrouper is not None else None
+            between = functools.partial(self._between, r) if self.regrouper is not None else None
             result = await driver.train(self.x_train, self.y_train, self._batches(r), between=between)
             self._note_stats(r, result.stats)  # asked of the stages last: their SG losses are the latest
         finally:
@@ -256,6 +261,81 @@ class PipelineJob:
         return {stats.first_layer + j: (now - then) / n
                 for j, (now, then) in enumerate(zip(stats.layer_seconds, before, strict=True))}
 
+    async def _between(self, r: int) -> None:
+        """Pipeline ``r``'s driver calls this between two mini-batches: pipeline 0 asks the policy; the others
+        wait here, drained, while a regrouping of replicated stages runs."""
+        pause = self._pause
+        if pause is not None and r != 0:
+            await self.drivers[r].drain()
+            self._parked.add(r)
+            self._parked_changed.set()
+            try:
+                await pause.wait()
+            finally:
+                self._parked.discard(r)
+        elif r == 0:
+            await self._maybe_regroup()
+
+    def _layer_sizes(self) -> list[int]:
+        return [sum(p.numel() for p in layer.parameters()) for layer in self.eval_model]
+
+    async def _regroup_replicated(self, old: list[list[int]], new: Sequence[Sequence[int]]) -> list[Any]:
+        """Every pipeline drained and parked, every stage's accumulated gradient pushed; then the PS shards of the
+        groups that change take their new slices (values and optimizer state by layer, versions moving up),
+        and every pipeline moves its layers (the stages then pull their new slices)."""
+        from ...train.pipeline.protocol import FlushParams
+
+        self._pause = asyncio.Event()
+        try:
+            others = range(1, len(self.drivers))
+            await self.drivers[0].drain()
+            while not all(r in self._parked or self.tasks[r].done() for r in others):
+                self._parked_changed.clear()
+                try:
+                    async with asyncio.timeout(0.5):
+                        await self._parked_changed.wait()
+                except TimeoutError:
+                    pass  # a pipeline that ended or broke meanwhile counts as parked
+            live = [d for r, d in enumerate(self.drivers) if r == 0 or not self.tasks[r].done()]
+            for driver in live:
+                for ref in driver.stages:
+                    await ref.ask(FlushParams(), timeout=60.0)
+            await self._reshard(old, new)
+            moves: list[Any] = []
+            for driver in live:
+                moves += await driver.regroup(old, new)
+            return moves
+        finally:
+            pause, self._pause = self._pause, None
+            pause.set()
+
+    async def _reshard(self, old: Sequence[Sequence[int]], new: Sequence[Sequence[int]]) -> None:
+        sizes = self._layer_sizes()
+        shards = [ps for ps in self.runner.ps]
+        snaps = await asyncio.gather(*(ps.ask(SnapshotShard(), timeout=60.0) for ps in shards if ps is not None))
+        if len(snaps) != len(old):
+            raise JobFailed(f"regrouping needs every PS shard up; {len(old) - len(snaps)} are down", EVENT_GROUP_FAILED,
+                            group="")
+        values: dict[int, np.ndarray] = {}
+        state: dict[int, list[np.ndarray]] = {}
+        for group, snap in zip(old, snaps, strict=True):
+            assert isinstance(snap, ShardSnapshot)
+            offset = 0
+            for i in group:
+                values[i] = snap.values[offset:offset + sizes[i]]
+                state[i] = [slot[offset:offset + sizes[i]] for slot in snap.state]
+                offset += sizes[i]
+        version = max(snap.version for snap in snaps) + 1  # above every version any shard has served
+        slots = len(snaps[0].state)
+        for k, (before, after) in enumerate(zip(old, new, strict=True)):
+            if list(before) == list(after):
+                continue
+            ref = shards[k]
+            assert ref is not None
+            await ref.ask(Reshard(np.concatenate([values[i] for i in after]).astype(np.float32),
+                                  [np.concatenate([state[i][s] for i in after]).astype(np.float32)
+                                   for s in range(slots)], version), timeout=60.0)
+
     async def _maybe_regroup(self) -> None:
         """Between two mini-batches: every ``interval_s`` feed the stages' times to the policy; move if it says so."""
         regrouper = self.regrouper
@@ -271,10 +351,17 @@ class PipelineJob:
         proposal = regrouper.decide(loop.time())
         if proposal is None:
             return
+        sizes = self._layer_sizes()
+        if self.p.replicas > 1 and any(sum(sizes[i] for i in g) == 0 for g in proposal.groups):
+            regrouper.hold(loop.time())  # a stage without parameters would leave its PS shard empty
+            return
         old = self.groups
         async with self._regroup_lock:
             started = time.perf_counter()
-            moves = await driver.regroup(old, proposal.groups)
+            if self.p.replicas > 1:
+                moves = await self._regroup_replicated(old, proposal.groups)
+            else:
+                moves = await driver.regroup(old, proposal.groups)
             pause = time.perf_counter() - started
             self.groups = [list(g) for g in proposal.groups]
         regrouper.applied(proposal.groups, loop.time())
@@ -353,12 +440,28 @@ class PipelineJob:
             async with self._regroup_lock:  # the states and the split they belong to, together
                 states = await self.drivers[0].states()
                 return Snapshot([merge_stage_states(self.groups, states)])
-        replies = await asyncio.gather(*(ps.ask(Pull(), timeout=10.0) for ps in self.runner.ps if ps is not None))
+        async with self._regroup_lock:  # the shards' slices and the split they belong to, together
+            replies = await asyncio.gather(*(ps.ask(Pull(), timeout=10.0) for ps in self.runner.ps if ps is not None))
+            groups = [list(g) for g in self.groups]
         shards: dict[int, np.ndarray] = {}
         for reply in replies:
             assert isinstance(reply, Params)
             shards[reply.shard] = np.array(reply.values, copy=True)
-        return Snapshot(shards)
+        return Snapshot([self._unflatten(groups, shards)])
+
+    def _unflatten(self, groups: list[list[int]], shards: dict[int, np.ndarray]) -> dict[str, Any]:
+        """The shards' flat vectors (one per stage) as the model's parameters, by state-dict key."""
+        import torch
+
+        out: dict[str, Any] = {}
+        for k, group in enumerate(groups):
+            flat, offset = shards[k], 0
+            for i in group:
+                for name, p in self.eval_model[i].named_parameters():
+                    n = p.numel()
+                    out[f"{i}.{name}"] = torch.from_numpy(flat[offset:offset + n].copy()).reshape(p.shape)
+                    offset += n
+        return out
 
     async def score(self, snapshot: Snapshot) -> tuple[float, float]:
         from ...train.flat import evaluate
@@ -369,12 +472,9 @@ class PipelineJob:
     def _load(self, weights: list[dict[str, torch.Tensor]] | dict[int, np.ndarray]) -> None:
         import torch
 
-        if isinstance(weights, dict):
-            for shard, values in weights.items():
-                np.copyto(self.eval_buffers[shard], values)
-            return
-        with torch.no_grad():
-            self.eval_model.load_state_dict(weights[0])
+        assert isinstance(weights, list), "a pipeline's snapshot is the model's state dict"
+        with torch.no_grad():  # replicated stages: parameters only (buffers are not in PS shards)
+            self.eval_model.load_state_dict(weights[0], strict=self.p.replicas == 1)
 
     # -- ending ---------------------------------------------------------------------
     async def stop(self, reason: str) -> None:

@@ -131,10 +131,6 @@ class _Pipeline:
         opt, given = config.optimizer, raw.get("optimizer", {})
         if opt.clip_norm is not None:
             raise ConfigError("'optimizer.clip_norm' does not apply in mode 'pipeline'", "optimizer.clip_norm")
-        if config.regroup.enabled and p.replicas > 1:
-            raise ConfigError("'regroup.enabled' needs pipeline.replicas = 1: moving layers between replicated "
-                              "stages would re-partition their PS shards, which is not supported yet",
-                              "regroup.enabled")
         if config.regroup.enabled and len(p.groups) < 2:
             raise ConfigError("'regroup.enabled' needs at least 2 stages in pipeline.groups", "regroup.enabled")
         if p.replicas > 1:

@@ -24,6 +24,7 @@ __all__ = [
     "LossReport",
     "RawInput",
     "AdoptLayers",
+    "FlushParams",
     "ReleaseLayers",
     "StageDown",
     "StageState",
@@ -243,3 +244,10 @@ class AdoptLayers:
 
     bundle: LayerBundle
     side: str
+
+
+@message("dniasync.pipeline.FlushParams")
+@dataclass(frozen=True)
+class FlushParams:
+    """Ask (pipeline drained): push the gradients accumulated since the last push now (replicated stages, before
+    their PS shards are re-partitioned); answered with the stage's :class:`StageStats`."""

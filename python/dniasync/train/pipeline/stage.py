@@ -27,10 +27,11 @@ from torch import nn
 
 from ...actors import Actor, ActorRef, ActorStopped, handler
 from .. import telemetry
-from ..param_sync import LocalOptimizer, ParamSync
+from ..param_sync import LocalOptimizer, ParamSync, PSParams
 from .protocol import (
     AdoptLayers,
     Connect,
+    FlushParams,
     Done,
     EvalForward,
     EvalOutput,
@@ -378,10 +379,14 @@ class Stage(Actor):
     def n_layers(self) -> int:
         return len(self.layers)
 
-    def _optimizer(self) -> torch.optim.Optimizer:
-        if not isinstance(self.params, LocalOptimizer):
-            raise RuntimeError(f"{self.ref.address}: layers of a stage synchronised through PS shards cannot move")
-        return self.params.optimizer
+    def _optimizer(self) -> torch.optim.Optimizer | None:
+        """The local optimizer whose state moves with the layers (None: the PS shards hold it)."""
+        if isinstance(self.params, LocalOptimizer):
+            return self.params.optimizer
+        if isinstance(self.params, PSParams):
+            return None
+        raise RuntimeError(f"{self.ref.address}: its parameters are stepped by a {type(self.params).__name__}, "
+                           "which cannot take or give layers")
 
     def _reshape(self, layers: list[nn.Module], first_layer: int, in_dims: tuple[int, ...]) -> None:
         """Take ``layers`` (model indices from ``first_layer``) with inputs of ``in_dims`` as this stage's own."""
@@ -402,6 +407,8 @@ class Stage(Actor):
         self.clock = LayerClock(self.layers, first_layer)
         self._kept.clear()
         self._parts_done.clear()
+        if isinstance(self.params, PSParams):
+            self.params = self.params.relinked(self.layers)  # pulls the shard's new slice before the next batch
 
     def _check_idle(self, what: str) -> None:
         if self._kept or self._parts_done:
@@ -419,7 +426,8 @@ class Stage(Actor):
         moving = {self.first_layer + j: layers[j] for j in range(start, start + count)}
         moving_in = shapes[start - 1] if start > 0 else self.shape.in_dims
         bundle = pack_layers(moving, optimizer)
-        drop_from_optimizer(optimizer, [p for module in moving.values() for p in module.parameters()])
+        if optimizer is not None:
+            drop_from_optimizer(optimizer, [p for module in moving.values() for p in module.parameters()])
         if side == "back":
             self._reshape(layers[:start], self.first_layer, self.shape.in_dims)
         else:
@@ -441,6 +449,13 @@ class Stage(Actor):
             self._reshape([*adopted, *self.layers], bundle.indices[0], tuple(bundle.in_shape))
         else:
             self._reshape([*self.layers, *adopted], self.first_layer, self.shape.in_dims)
+
+    @handler
+    async def flush_params(self, msg: FlushParams) -> StageStats:
+        """Push the gradients accumulated since the last push (PS shards; a local optimizer has none)."""
+        if isinstance(self.params, PSParams):
+            await self.params.flush()
+        return self.stats(StatsRequest())
 
     @handler
     async def release_layers(self, msg: ReleaseLayers) -> LayerBundle:
