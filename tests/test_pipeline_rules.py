@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -22,13 +23,15 @@ from dniasync.train.pipeline import (
     Stage,
     StageSettings,
     StageShape,
+    StageSpec,
+    TrainResult,
     batch_order,
     build_stages,
     spawn_stages,
     train_backprop,
 )
 from dniasync.train.pipeline.protocol import Connect, Done, Forward, Gradient, StageDown, StatsRequest
-from dniasync.train.pipeline.rules import RULES, Kept, Outcome, StageContext, get_rule
+from dniasync.train.pipeline.rules import RULES, Kept, Outcome, StageContext, UpdateRule, get_rule
 from dniasync.train.pipeline.rules import real
 from dniasync.train.pipeline.rules.real import SpecTrainRule, StashRule, predict_weights, prior_gap
 
@@ -154,6 +157,19 @@ class _RecordingStash(StashRule):
         return await super().on_gradient(stage, kept, msg)
 
 
+async def _train_with(
+    rules: Sequence[UpdateRule], specs: Sequence[StageSpec], x: torch.Tensor, y: torch.Tensor
+) -> TrainResult:
+    """One epoch of batches of 32, 4 in flight, through stages built from ``specs`` with these rule objects."""
+    schedule = Schedule(max_in_flight=4)
+    async with ActorSystem() as system:
+        refs = [await system.spawn(Stage, *spec.args(), rule=rule, name=f"stage-{k}",
+                                   mailbox_size=schedule.stage_mailbox_size(), supervision=Directive.STOP)
+                for k, (spec, rule) in enumerate(zip(specs, rules))]
+        async with PipelineDriver(system, refs, schedule) as driver:
+            return await driver.train(x, y, [idx for _, idx in batch_order(len(x), 32, epochs=1, seed=0)])
+
+
 def _checksum(weights: object) -> float:
     assert isinstance(weights, dict)
     return float(sum(float(t.detach().double().sum()) + float(t.detach().double().abs().sum()) for t in weights.values()))
@@ -164,13 +180,7 @@ async def test_stashed_weights_are_the_ones_the_forward_used(digits: tuple[torch
     settings = StageSettings(rule="stash", lr=1e-2, max_in_flight=4)
     specs = build_stages(mlp(seed=1), GROUPS, settings, 64)
     rules = [_RecordingStash(settings, spec.shape) for spec in specs]
-    schedule = Schedule(max_in_flight=4)
-    async with ActorSystem() as system:
-        refs = [await system.spawn(Stage, *spec.args(), rule=rule, name=f"stage-{k}",
-                                   mailbox_size=schedule.stage_mailbox_size(), supervision=Directive.STOP)
-                for k, (spec, rule) in enumerate(zip(specs, rules))]
-        async with PipelineDriver(system, refs, schedule) as driver:
-            result = await driver.train(x, y, [idx for _, idx in batch_order(512, 32, epochs=1, seed=0)])
+    result = await _train_with(rules, specs, x, y)
     first = rules[0]
     assert len(first.at_forward) == len(first.at_backward) == 16
     assert first.at_forward == first.at_backward  # the backward ran on the weights of the forward
@@ -206,13 +216,7 @@ async def test_spectrain_measures_the_gap_it_predicts_with(digits: tuple[torch.T
     specs = build_stages(mlp(seed=2), GROUPS, settings, 64)
     rules = [SpecTrainRule(settings, spec.shape) for spec in specs]
     assert [r.gap for r in rules] == [3.0, 1.0, 0.0]  # the priors
-    schedule = Schedule(max_in_flight=4)
-    async with ActorSystem() as system:
-        refs = [await system.spawn(Stage, *spec.args(), rule=rule, name=f"stage-{k}",
-                                   mailbox_size=schedule.stage_mailbox_size(), supervision=Directive.STOP)
-                for k, (spec, rule) in enumerate(zip(specs, rules))]
-        async with PipelineDriver(system, refs, schedule) as driver:
-            result = await driver.train(x, y, [idx for _, idx in batch_order(640, 32, epochs=1, seed=0)])
+    result = await _train_with(rules, specs, x, y)
     # the window's mean of the gaps measured is what the stage counted as staleness (20 batches, window 32)
     assert rules[0].gap == pytest.approx(result.stats[0].sg_staleness_total / 20)
     assert rules[0].gap > 0
