@@ -172,3 +172,45 @@ async def test_a_receiver_lost_during_a_move_breaks_the_pipeline_and_the_giver_k
             got = await refs[0].ask(StateRequest(), timeout=30)
     assert isinstance(got, StageState)
     assert got.names == list(want) and all(torch.equal(a, want[n]) for n, a in zip(got.names, got.tensors))
+
+
+@pytest.mark.parametrize("rule", ["cdni", "spectrain"])
+async def test_a_cnn_moves_a_convolutional_block_with_its_batch_norm_statistics(
+    digits: tuple[torch.Tensor, torch.Tensor], rule: str
+) -> None:
+    """The second conv block (Conv2d, BatchNorm2d with its running statistics, ReLU, MaxPool2d) moves to the
+    other stage mid-training: the boundary activations become 4-D, the rules rebuild for the new shape (cDNI a
+    convolutional SG model), the function is unchanged and training goes on."""
+    from dniasync.train.models import cnn
+
+    torch.manual_seed(4)
+    model = cnn(image=(1, 8, 8), channels=(4, 8), hidden=32)
+    before, after = [list(range(9)), list(range(9, 13))], [list(range(5)), list(range(5, 13))]
+    x, y = digits[0][:256], digits[1][:256]
+    probe_x, probe_y = digits[0][1000:1200], digits[1][1000:1200]
+    optimizer = ("sgd", 0.9) if rule == "spectrain" else ("adam", 0.0)
+    settings = StageSettings(rule=rule, optimizer=optimizer[0], momentum=optimizer[1], lr=0.02 if rule == "spectrain"
+                             else 1e-3, max_in_flight=4, sg_hidden_layers=0)
+    batches = [idx for _, idx in batch_order(256, 32, epochs=3, seed=1)]
+    seen: dict[str, object] = {}
+    async with ActorSystem() as system:
+        refs = await spawn_stages(system, model, before, settings, 64)
+        async with PipelineDriver(system, refs, Schedule.for_rule(rule, max_in_flight=4)) as driver:
+            fed = 0
+
+            async def between() -> None:
+                nonlocal fed
+                fed += 1
+                if fed == 8:
+                    await driver.drain()
+                    seen["before"] = await driver.evaluate(probe_x, probe_y)
+                    seen["moves"] = await driver.regroup(before, after)
+                    seen["after"] = await driver.evaluate(probe_x, probe_y)
+
+            result = await driver.train(x, y, batches, between=between)
+    moves = seen["moves"]
+    assert isinstance(moves, list) and [m.layers for m in moves] == [[5, 6, 7, 8]]
+    assert seen["before"] == seen["after"]
+    assert driver.samples_done == 3 * 256
+    assert [s.steps for s in result.stats] == [len(batches), len(batches)]
+    assert [s.first_layer for s in result.stats] == [0, 5]
