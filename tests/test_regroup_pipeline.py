@@ -21,6 +21,7 @@ from dniasync.train.pipeline import (
     spawn_stages,
     train_backprop,
 )
+from dniasync.cluster.modes._pipeline_job import merge_stage_states as _merged
 from dniasync.train.pipeline.protocol import StageState, StateRequest
 
 torch.set_num_threads(1)
@@ -39,16 +40,6 @@ def mlp(seed: int) -> nn.Sequential:
 def digits() -> tuple[torch.Tensor, torch.Tensor]:
     data = load_digits()
     return torch.tensor(data.data / 16.0, dtype=torch.float32), torch.tensor(data.target, dtype=torch.int64)
-
-
-def _merged(groups: list[list[int]], states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Stage-local state-dict keys ('1.weight' of the stage holding layers 2..4) as model keys ('3.weight')."""
-    out = {}
-    for group, state in zip(groups, states, strict=True):
-        for name, tensor in state.items():
-            local, rest = name.split(".", 1)
-            out[f"{group[int(local)]}.{rest}"] = tensor
-    return out
 
 
 @pytest.mark.parametrize("rule", RULES)
