@@ -212,15 +212,19 @@ def prior_gap(index: int, stages: int, max_in_flight: int) -> int:
     return min(max_in_flight - 1, stages - index - 1)
 
 
-def predict_weights(layers: nn.Module, optimizer: torch.optim.Optimizer, gap: float) -> dict[str, torch.Tensor]:
+def predict_weights(
+    layers: nn.Module, optimizer: torch.optim.Optimizer, gap: float, out: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """SpecTrain's prediction ``W − gap·lr·v`` of every parameter of ``layers`` (by name).
 
     ``v``: SGD's momentum buffer, or Adam's current step direction
     ``m̂ / (√v̂ + ε)``; a parameter not yet stepped is predicted unchanged.
+    ``out``: buffers to write the prediction into (filled on first use), so
+    a stage predicting every batch allocates no weight-sized tensors.
     """
     group = optimizer.param_groups[0]
     lr = float(group["lr"])
-    predicted = {}
+    predicted = out if out is not None else {}
     with torch.no_grad():
         for name, p in layers.named_parameters():
             state = optimizer.state.get(p, {})
@@ -233,7 +237,13 @@ def predict_weights(layers: nn.Module, optimizer: torch.optim.Optimizer, gap: fl
                 m_hat = state["exp_avg"] / (1 - beta1**step)
                 v_hat = state["exp_avg_sq"] / (1 - beta2**step)
                 direction = m_hat / (v_hat.sqrt() + group["eps"])
-            predicted[name] = p.detach().clone() if direction is None else p.detach() - (gap * lr) * direction
+            buf = predicted.get(name)
+            if buf is None or buf.shape != p.shape:
+                buf = predicted[name] = torch.empty_like(p, requires_grad=False)
+            if direction is None:
+                buf.copy_(p)
+            else:
+                torch.add(p.detach(), direction, alpha=-gap * lr, out=buf)
     return predicted
 
 
@@ -251,6 +261,7 @@ class SpecTrainRule(_RealGradientRule):
         self._gaps: deque[int] = deque(maxlen=GAP_WINDOW)
         self.prior = prior_gap(shape.index, shape.stages, settings.max_in_flight)
         self._forwards = 0
+        self._predicted: dict[str, torch.Tensor] = {}
         self._probe: tuple[int, Mapping[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
         """(batch id, the weights predicted for it, those its forward would have met unpredicted)"""
         self._probes = 0
@@ -273,12 +284,15 @@ class SpecTrainRule(_RealGradientRule):
             return None
         if not isinstance(stage.params, LocalOptimizer):
             raise RuntimeError("spectrain predicts from the stage's own optimizer: it needs pipeline.replicas = 1")
-        predicted = await stage.run_blocking(predict_weights, stage.layers, stage.params.optimizer, gap)
+        # one set of buffers: a batch's forward is done with its prediction before the next one's is made
+        optimizer = stage.params.optimizer
+        predicted = await stage.run_blocking(predict_weights, stage.layers, optimizer, gap, self._predicted)
         self._forwards += 1
         if self._probe is None and self._forwards % PROBE_EVERY == 0:
             with torch.no_grad():
                 now = {n: p.detach().clone() for n, p in stage.layers.named_parameters()}
-            self._probe = (msg.batch_id, predicted, now)
+                kept = {n: t.clone() for n, t in predicted.items()}
+            self._probe = (msg.batch_id, kept, now)
         return predicted
 
     async def on_gradient(self, stage: StageContext, kept: Kept, msg: Gradient) -> Outcome:
