@@ -364,6 +364,7 @@ class PipelineJob:
                 moves = await driver.regroup(old, proposal.groups)
             pause = time.perf_counter() - started
             self.groups = [list(g) for g in proposal.groups]
+        slowness = ",".join(f"{v:.2f}" for v in regrouper.estimates.stage_slowness(len(old)))
         regrouper.applied(proposal.groups, loop.time())
         self._clock_seen.clear()
         self._moves += 1
@@ -373,7 +374,7 @@ class PipelineJob:
         self.runner.event(EVENT_REGROUPED, before=split_text(old), split=split_text(self.groups),
                           layers=",".join(map(str, moved)), predicted_gain=round(proposal.gain, 4),
                           pause_ms=round(1000 * pause, 2), bytes=sum(m.bytes for m in moves),
-                          slowness=",".join(f"{v:.2f}" for v in regrouper.estimates.stage_slowness(len(old))))
+                          slowness=slowness)
 
     # -- the runner's questions ---------------------------------------------------------
     def progress(self, msg: Progress) -> None:
