@@ -162,7 +162,10 @@ def _freeze_one_replica(out: Path, at_iteration: int, proc: subprocess.Popen[byt
             stopped = time.time()
             os.kill(worker["pid"], signal.SIGSTOP)
             time.sleep(seconds)
-            os.kill(worker["pid"], signal.SIGCONT)
+            try:
+                os.kill(worker["pid"], signal.SIGCONT)
+            except ProcessLookupError:  # the job ended while it was frozen and the launcher killed it
+                return None
             return stopped, time.time()
         time.sleep(0.05)
     return None
