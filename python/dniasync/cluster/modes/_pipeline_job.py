@@ -125,6 +125,7 @@ class PipelineJob:
         self._parked: set[int] = set()
         self._parked_changed = asyncio.Event()
         self._next_regroup_check = 0.0
+        self._next_regroup_log = 0.0
         self._clock_seen: dict[int, tuple[int, list[float], int]] = {}
         self._moves = 0
         self._sg_first: dict[str, float] = {}
@@ -349,6 +350,10 @@ class PipelineJob:
         for k, s in enumerate(stats):
             regrouper.observe(k, self._per_batch(k, s))
         proposal = regrouper.decide(loop.time())
+        if loop.time() >= self._next_regroup_log and regrouper.estimates.costs is not None:
+            self._next_regroup_log = loop.time() + 10.0
+            log.info("regrouping: split %s, estimated ms per batch %s, slowness %s", split_text(self.groups),
+                     self.extra().get("stage_ms"), regrouper.estimates.slowness)
         if proposal is None:
             return
         sizes = self._layer_sizes()
