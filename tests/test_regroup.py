@@ -227,7 +227,8 @@ def test_profile_measures_every_layer_and_leaves_the_weights() -> None:
 
 
 def test_regrouper_calibrates_then_moves_once_per_cooldown_within_its_budget() -> None:
-    regrouper = Regrouper(((0, 1, 2, 3), (4,)), BalancePolicy(min_gain=0.1), cooldown_s=10.0, max_moves=2)
+    regrouper = Regrouper(((0, 1, 2, 3), (4,)), BalancePolicy(min_gain=0.1), cooldown_s=10.0, max_moves=2,
+                          warmup_reports=0, calibration_reports=1)
     regrouper.observe(0, {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0})
     assert regrouper.decide(0.0) is None  # stage 1 has not reported: not calibrated
     regrouper.observe(1, {4: 1.0})
@@ -253,3 +254,14 @@ def test_regrouper_calibrates_then_moves_once_per_cooldown_within_its_budget() -
         regrouper.observe(0, {i: 1.0 for i in second.groups[0]})  # and recovers: moving back would gain
         regrouper.observe(1, {i: 1.0 for i in second.groups[1]})
     assert regrouper.decide(30.0) is None  # the run's budget of two moves is spent
+
+
+def test_regrouper_ignores_warm_up_reports_and_calibrates_on_the_mean_of_the_next() -> None:
+    regrouper = Regrouper(((0,), (1,)), BalancePolicy(min_gain=0.1), cooldown_s=0.0)  # 1 warm-up, 2 to calibrate
+    regrouper.observe(0, {0: 50.0})  # the first batches: allocation, caches
+    regrouper.observe(1, {1: 9.0})
+    for t0, t1 in ((1.0, 2.0), (3.0, 4.0)):
+        assert regrouper.estimates.costs is None
+        regrouper.observe(0, {0: t0})
+        regrouper.observe(1, {1: t1})
+    assert regrouper.estimates.costs == [2.0, 3.0]

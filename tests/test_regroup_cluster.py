@@ -23,7 +23,7 @@ output_dir = "{out}"
 factory = "dniasync.train.models:mlp"
 
 [model.kwargs]
-sizes = [64, 1024, 1024, 10]
+sizes = [64, 1024, 1024, 1024, 10]
 
 [data]
 dataset = "digits"
@@ -36,7 +36,7 @@ name = "adam"
 lr = 1e-3
 
 [pipeline]
-groups = [[0, 1, 2, 3], [4]]
+groups = [[0, 1, 2, 3, 4, 5], [6]]
 method = "{method}"
 max_in_flight = 4
 
@@ -69,16 +69,16 @@ def _run(tmp_path: Path, name: str, method: str, epochs: int, extra: str = "") -
 
 @pytest.mark.parametrize("method", ["cdni", "spectrain"])
 def test_an_unbalanced_split_is_moved_while_the_job_trains(tmp_path: Path, method: str) -> None:
-    """Stage 0 starts with both hidden layers (64x1024 and the 16x larger 1024x1024), stage 1 with the 10-way
-    output only: the balance policy moves the 1024x1024 layer over (the predicted gain, about 2x, is far above
-    min_gain whatever the load). No batch is lost across the move, and the model still learns."""
+    """Stage 0 starts with every hidden layer (64x1024 and two 1024x1024), stage 1 with the 10-way output only:
+    the balance policy moves the second 1024x1024 layer over (the true gain, about 2x, is far above min_gain
+    whatever the load). No batch is lost across the move, and the model still learns."""
     doc = _run(tmp_path, f"regroup-{method}", method, epochs=12)
     moves = [e for e in doc["events"] if e["kind"] == "regrouped"]
     assert len(moves) == 1, doc["events"]
     move = moves[0]
-    assert move["before"] == "0-3 | 4"
-    assert move["split"] in ("0 | 1-4", "0-1 | 2-4")  # the wide layer 2 joins stage 1 (with or without ReLU 1)
-    assert "2" in move["layers"].split(",")
+    assert move["before"] == "0-5 | 6"
+    assert move["split"] in ("0-2 | 3-6", "0-3 | 4-6")  # layer 4 joins stage 1 (with or without ReLU 3)
+    assert "4" in move["layers"].split(",")
     assert move["bytes"] > 1024 * 1024 * 4  # the wide layer's weights, at least
     assert move["predicted_gain"] >= 0.1
     assert doc["metrics"]["split"] == move["split"]
@@ -130,10 +130,10 @@ def test_a_profiled_job_starts_from_the_split_its_profile_chose(tmp_path: Path) 
     profiled = [e for e in doc["events"] if e["kind"] == "split_profiled"]
     placed = [e for e in doc["events"] if e["kind"] == "groups_placed"]
     assert len(profiled) == 1 and len(placed) == 1
-    assert profiled[0]["configured"] == "0-3 | 4"
+    assert profiled[0]["configured"] == "0-5 | 6"
     assert placed[0]["split"] == profiled[0]["split"] == doc["metrics"]["split"]
     stages = [part.split("-") for part in profiled[0]["split"].split(" | ")]
-    assert len(stages) == 2 and stages[0][0] == "0" and stages[-1][-1] == "4"
+    assert len(stages) == 2 and stages[0][0] == "0" and stages[-1][-1] == "6"
     assert not [e for e in doc["events"] if e["kind"] == "regrouped"]  # the cool-down outlasts the run
     assert doc["samples"] == 2 * 1400
 
@@ -144,7 +144,7 @@ def test_replicated_stages_regroup_and_their_ps_shards_follow(tmp_path: Path) ->
     doc = _run(tmp_path, "regroup-replicated", "cdni", epochs=12, extra="replicas = 2\n")
     moves = [e for e in doc["events"] if e["kind"] == "regrouped"]
     assert len(moves) == 1, doc["events"]
-    assert moves[0]["before"] == "0-3 | 4" and moves[0]["split"] in ("0 | 1-4", "0-1 | 2-4")
+    assert moves[0]["before"] == "0-5 | 6" and moves[0]["split"] in ("0-2 | 3-6", "0-3 | 4-6")
     assert doc["metrics"]["split"] == moves[0]["split"]
     assert doc["samples"] == 12 * 1400
     assert doc["final_accuracy"] >= 0.85, doc["history"]

@@ -204,10 +204,11 @@ class Regrouper:
     """The job runner's side of regrouping: smoothed estimates in, at most one move per cool-down out.
 
     Stages :meth:`observe` their per-layer times; the runner asks :meth:`decide`
-    on its tick. Until every stage has reported once the costs are not
-    calibrated (nothing to decide); the first complete round calibrates them
-    with every stage's slowness taken as 1.0, unless :meth:`calibrate` was
-    given a profile first. ``max_moves`` bounds the moves of a whole run (0: no
+    on its tick. Each stage's first ``warmup_reports`` are ignored (the first
+    batches pay for allocation and caches); the mean of the next
+    ``calibration_reports`` of every stage calibrates the layers' costs, with
+    every stage's slowness taken as 1.0, unless :meth:`calibrate` was given a
+    profile first. Nothing is decided before that. ``max_moves`` bounds the moves of a whole run (0: no
     bound). After a move the slowness is measured afresh and the cool-down
     starts again from the moment the move was applied.
     """
@@ -217,9 +218,12 @@ class Regrouper:
     cooldown_s: float
     max_moves: int = 0
     smoothing: float = 0.3
+    warmup_reports: int = 1
+    calibration_reports: int = 2
     moves: int = 0
     _estimates: StageCosts = field(init=False)
-    _pending: dict[int, dict[int, float]] = field(init=False, default_factory=dict)
+    _reports: dict[int, int] = field(init=False, default_factory=dict)
+    _pending: dict[int, dict[int, list[float]]] = field(init=False, default_factory=dict)
     _quiet_until: float = field(init=False, default=-math.inf)
 
     def __post_init__(self) -> None:
@@ -239,9 +243,17 @@ class Regrouper:
         if not layer_seconds or set(layer_seconds) != set(self.groups[stage]):
             return
         if self._estimates.costs is None:
-            self._pending[stage] = dict(layer_seconds)
-            if len(self._pending) == len(self.groups):
-                self._estimates.calibrate({i: t for times in self._pending.values() for i, t in times.items()})
+            self._reports[stage] = self._reports.get(stage, 0) + 1
+            if self._reports[stage] <= self.warmup_reports:
+                return
+            pending = self._pending.setdefault(stage, {})
+            for i, t in layer_seconds.items():
+                pending.setdefault(i, []).append(t)
+            rounds = [min((len(ts) for ts in self._pending.get(k, {}).values()), default=0)
+                      for k in range(len(self.groups))]
+            if min(rounds) >= self.calibration_reports:
+                self._estimates.calibrate({i: sum(ts) / len(ts) for times in self._pending.values()
+                                           for i, ts in times.items()})
                 self._pending.clear()
             return
         self._estimates.report(stage, layer_seconds)
