@@ -83,7 +83,7 @@ class PipelineJob:
     def __init__(self, config: Config, runner: JobRunner) -> None:
         import torch
 
-        from ...train.flat import FlatModel, flatten_parameters
+        from ...train.flat import flatten_parameters
         from ...train.pipeline import Schedule, split_sequential
 
         torch.set_num_threads(1)
@@ -103,7 +103,6 @@ class PipelineJob:
         self._check_stages(model)
         self.eval_parts = split_sequential(model, self.groups)
         self.eval_buffers = [flatten_parameters(part) for part in self.eval_parts]
-        self.eval_flats = [FlatModel(part, buf) for part, buf in zip(self.eval_parts, self.eval_buffers)]
         self.schedule = Schedule.for_rule(self.p.method, max_in_flight=self.p.max_in_flight,
                                           micro_batches=self.p.micro_batches)
         n_pipelines, n_groups = self.p.replicas, len(self.p.groups)
