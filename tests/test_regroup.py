@@ -233,10 +233,7 @@ def test_regrouper_calibrates_then_moves_once_per_cooldown_within_its_budget() -
     assert regrouper.decide(0.0) is None  # stage 1 has not reported: not calibrated
     regrouper.observe(1, {4: 1.0})
     assert regrouper.estimates.costs == [1.0] * 5
-    assert regrouper.decide(0.0) is None  # calibrated, but no stage measured against the calibration yet
-    regrouper.observe(0, {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0})
-    regrouper.observe(1, {4: 1.0})
-    first = regrouper.decide(1.0)
+    first = regrouper.decide(1.0)  # calibrated: every stage is as fast as the calibration, by definition
     assert first is not None and first.gain > 0.3
     regrouper.applied(first.groups, now=1.0)
     assert regrouper.moves == 1
@@ -265,3 +262,19 @@ def test_regrouper_ignores_warm_up_reports_and_calibrates_on_the_mean_of_the_nex
         regrouper.observe(0, {0: t0})
         regrouper.observe(1, {1: t1})
     assert regrouper.estimates.costs == [2.0, 3.0]
+
+
+def test_a_slowdown_outside_the_layers_is_seen_through_the_busy_time() -> None:
+    # stage 0 spends as long again around its layers as in them (optimizer step, prediction, sends); stage 1 little
+    regrouper = Regrouper(((0, 1), (2, 3)), BalancePolicy(min_gain=0.1), cooldown_s=0.0, warmup_reports=0,
+                          calibration_reports=1)
+    regrouper.observe(0, {0: 1.0, 1: 1.0}, busy_s=4.0)
+    regrouper.observe(1, {2: 1.0, 3: 1.0}, busy_s=2.0)
+    assert regrouper.estimates.costs == [2.0, 2.0, 1.0, 1.0]  # what is spent around a layer moves with it
+    assert regrouper.decide(0.0) is None  # as calibrated: 4 vs 2 per batch, and no split beats 4 by 10%
+    for _ in range(30):  # stage 0's process slows down where its layers' own clocks hardly see it
+        regrouper.observe(0, {0: 1.1, 1: 1.1}, busy_s=8.0)
+        regrouper.observe(1, {2: 1.0, 3: 1.0}, busy_s=2.0)
+    assert regrouper.estimates.stage_slowness(2) == pytest.approx([2.0, 1.0], rel=1e-3)
+    proposal = regrouper.decide(1.0)
+    assert proposal is not None and proposal.groups == ((0,), (1, 2, 3))

@@ -209,7 +209,8 @@ class RegroupConfig(Section, frozen=True):
     min_gain: Annotated[float, Meta(gt=0.0, description=(
         "move only when the predicted throughput gain is at least this (0.1: 10% more batches per second)"))] = 0.1
     cooldown_s: Annotated[float, Meta(ge=0.0, description=(
-        "seconds after a move (and after the start) before the next may be decided, so estimates settle"))] = 10.0
+        "seconds after a move before the next may be decided, so estimates settle (the first move waits only for "
+        "the stages' calibration reports)"))] = 10.0
     max_moves: Annotated[int, Meta(ge=0, description="moves in a whole run at most (0: no bound)")] = 10
     interval_s: Annotated[float, Meta(gt=0.0, description=(
         "how often the stages' per-layer times are collected and the policy is asked"))] = 1.0

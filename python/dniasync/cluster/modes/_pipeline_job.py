@@ -125,7 +125,7 @@ class PipelineJob:
         self._parked_changed = asyncio.Event()
         self._next_regroup_check = 0.0
         self._next_regroup_log = 0.0
-        self._clock_seen: dict[int, tuple[int, list[float], int]] = {}
+        self._clock_seen: dict[int, tuple[int, list[float], int, float]] = {}
         self._moves = 0
         self._sg_first: dict[str, float] = {}
         self._sg_last: dict[str, float] = {}
@@ -161,8 +161,7 @@ class PipelineJob:
             log.info("profiled split %s (configured %s)", split_text(split), split_text(self.groups))
             self.runner.event(EVENT_SPLIT_PROFILED, configured=split_text(self.groups), split=split_text(split))
             self.groups = [list(g) for g in split]
-            regrouper.groups = split
-            regrouper.calibrate(times)
+            regrouper.groups = split  # its costs are calibrated on the stages, as without a profile
         return regrouper
 
     def _check_stages(self, model: torch.nn.Sequential) -> None:
@@ -226,8 +225,6 @@ class PipelineJob:
                                 group=exc.address) from None
         self.runner.mark_started()
         self.runner.event(EVENT_GROUPS_PLACED, groups=addresses, split=split_text(self.groups))
-        if self.regrouper is not None:
-            self.regrouper.hold(asyncio.get_running_loop().time())
         log.info("training %d pipeline(s) over %s", len(pipelines), addresses)
         self.tasks = [asyncio.create_task(self._train(r, d), name=f"pipeline-{r}") for r, d in enumerate(self.drivers)]
 
@@ -247,19 +244,21 @@ class PipelineJob:
             self.runner.poke()  # done or broken: the runner ends the job now, not at its next tick
 
     # -- regrouping ----------------------------------------------------------------------
-    def _per_batch(self, k: int, stats: StageStats) -> dict[int, float]:
-        """Stage ``k``'s per-layer seconds per batch since the previous look (its clock restarts when it changes)."""
+    def _per_batch(self, k: int, stats: StageStats) -> tuple[dict[int, float], float]:
+        """Stage ``k``'s per-layer seconds per batch since the previous look, and its busy seconds per batch (its
+        clock restarts when its layers change)."""
         key = (stats.first_layer, len(stats.layer_seconds))
         seen = self._clock_seen.get(k)
-        self._clock_seen[k] = (stats.first_layer, list(stats.layer_seconds), stats.layer_batches)
-        before, batches = [0.0] * len(stats.layer_seconds), 0
+        self._clock_seen[k] = (stats.first_layer, list(stats.layer_seconds), stats.layer_batches, stats.busy_seconds)
+        before, batches, busy = [0.0] * len(stats.layer_seconds), 0, 0.0
         if seen is not None and (seen[0], len(seen[1])) == key and seen[2] <= stats.layer_batches:
-            before, batches = seen[1], seen[2]
+            before, batches, busy = seen[1], seen[2], seen[3]
         n = stats.layer_batches - batches
         if n <= 0:
-            return {}
-        return {stats.first_layer + j: (now - then) / n
-                for j, (now, then) in enumerate(zip(stats.layer_seconds, before, strict=True))}
+            return {}, 0.0
+        return ({stats.first_layer + j: (now - then) / n
+                 for j, (now, then) in enumerate(zip(stats.layer_seconds, before, strict=True))},
+                (stats.busy_seconds - busy) / n)
 
     async def _between(self, r: int) -> None:
         """Pipeline ``r``'s driver calls this between two mini-batches: pipeline 0 asks the policy; the others
@@ -347,7 +346,7 @@ class PipelineJob:
         stats = await driver.stats()
         self._note_stats(0, stats)
         for k, s in enumerate(stats):
-            regrouper.observe(k, self._per_batch(k, s))
+            regrouper.observe(k, *self._per_batch(k, s))
         proposal = regrouper.decide(loop.time())
         if loop.time() >= self._next_regroup_log and regrouper.estimates.costs is not None:
             self._next_regroup_log = loop.time() + 10.0

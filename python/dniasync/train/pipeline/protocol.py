@@ -171,6 +171,10 @@ class StageStats:
     SpecTrain ``|Ŵ − W| / |W_fwd − W|``, an SG model ``|M − g| / |g|``); NaN if not measured."""
     prediction_error: float = float("nan")
     """SpecTrain's mean ``|Ŵ − W|`` over its probes (NaN otherwise)."""
+    busy_seconds: float = 0.0
+    """Wall seconds the stage spent on training messages since its layers last changed (compute, optimizer
+    steps, predictions, SG work, sends; not waiting for work or for its PS shards): with ``layer_batches``, what a
+    batch really costs it, including what its layers' own times leave out."""
 
 
 @message("dniasync.dni.StateRequest")

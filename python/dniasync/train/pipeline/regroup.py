@@ -2,11 +2,15 @@
 
 Three parts, each usable on its own:
 
-- **Estimates** (:class:`StageCosts`): every stage reports the time its layers
-  took per batch (forward plus backward, measured per layer on the stage). The
-  first report calibrates each layer's *cost*; afterwards a stage's measured
-  time over the calibrated cost of its layers is that stage's *slowness* (1.0
-  on an unloaded process, 2.0 on a process that runs at half speed). A split's
+- **Estimates** (:class:`StageCosts`): every stage reports, per batch, the
+  time each of its layers took (forward plus backward, measured per layer on
+  the stage) and its whole *busy* time (everything it did for the batch: the
+  layers, the optimizer step, SpecTrain's prediction, SG work, sends). The
+  calibration gives each layer a *cost*: its own time scaled by its stage's
+  busy-to-layers ratio, so what a stage spends around its layers moves with
+  them. Afterwards a stage's busy time over the calibrated cost of its layers
+  is that stage's *slowness* (1.0 as calibrated, 2.0 on a process that now
+  runs at half speed, whatever part of the work the slowdown hits). A split's
   predicted stage time is ``slowness × Σ cost`` over its layers, smoothed by an
   exponential moving average so one noisy batch does not move a layer.
 - **Policy** (:class:`RegroupPolicy`, :data:`POLICIES`): given the estimates,
@@ -110,29 +114,37 @@ class StageCosts:
     n_layers: int
     smoothing: float = 0.3
     costs: list[float] | None = None
-    """Calibrated cost per layer (seconds per batch on an unloaded stage); ``None`` until the first report."""
+    """Calibrated cost per layer (seconds per batch on an unloaded stage); ``None`` until calibrated."""
     slowness: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
 
-    def calibrate(self, layer_seconds: Mapping[int, float]) -> None:
-        """Set every layer's cost from one measurement of all of them (the profile pass, or the first reports)."""
+    def calibrate(self, layer_seconds: Mapping[int, float], overhead: Mapping[int, float] | None = None) -> None:
+        """Set every layer's cost from one measurement of all of them (the profile pass, or the first reports).
+
+        ``overhead[i]`` scales layer ``i``'s time: its stage's busy time over its layers' times when it was
+        measured (1.0 where not given), so a layer's cost carries its share of the optimizer step, the
+        prediction and the messaging around it.
+        """
         missing = sorted(set(range(self.n_layers)) - layer_seconds.keys())
         if missing:
             raise ValueError(f"no time measured for layers {missing}")
+        factor = overhead or {}
         floor = max(max(layer_seconds.values()) * 1e-6, 1e-9)  # a layer never costs nothing: keeps slowness finite
-        self.costs = [max(float(layer_seconds[i]), floor) for i in range(self.n_layers)]
+        self.costs = [max(float(layer_seconds[i]) * factor.get(i, 1.0), floor) for i in range(self.n_layers)]
 
-    def report(self, stage: int, layer_seconds: Mapping[int, float]) -> None:
-        """A stage's measured time per batch for each of its layers."""
+    def report(self, stage: int, layer_seconds: Mapping[int, float], busy_s: float | None = None) -> None:
+        """A stage's measured time per batch for each of its layers, and its whole busy time per batch (when
+        measured; else the sum of its layers' is used, as the calibration must have been)."""
         if self.costs is None:
             return
         expected = sum(self.costs[i] for i in layer_seconds)
         if expected <= 0.0:
             return
-        ratio = sum(layer_seconds.values()) / expected
+        measured = busy_s if busy_s is not None and busy_s > 0.0 else sum(layer_seconds.values())
+        ratio = measured / expected
         old = self.slowness.get(stage)
         self.slowness[stage] = ratio if old is None else old + self.smoothing * (ratio - old)
 
@@ -203,14 +215,15 @@ def get_policy(name: str, *, min_gain: float) -> RegroupPolicy:
 class Regrouper:
     """The job runner's side of regrouping: smoothed estimates in, at most one move per cool-down out.
 
-    Stages :meth:`observe` their per-layer times; the runner asks :meth:`decide`
-    on its tick. Each stage's first ``warmup_reports`` are ignored (the first
-    batches pay for allocation and caches); the mean of the next
-    ``calibration_reports`` of every stage calibrates the layers' costs, with
-    every stage's slowness taken as 1.0, unless :meth:`calibrate` was given a
-    profile first. Nothing is decided before that. ``max_moves`` bounds the moves of a whole run (0: no
-    bound). After a move the slowness is measured afresh and the cool-down
-    starts again from the moment the move was applied.
+    Stages :meth:`observe` their per-layer and busy times; the runner asks
+    :meth:`decide` on its tick. Each stage's first ``warmup_reports`` after the
+    start and after every move are ignored (those batches pay for allocation
+    and caches). Unless :meth:`calibrate` was given a profile, the mean of the
+    next ``calibration_reports`` of every stage calibrates the layers' costs,
+    every stage's slowness being 1.0 by definition then, and the policy may act
+    at once. ``max_moves`` bounds the moves of a whole run (0: no bound). After
+    a move the slowness is measured afresh and the cool-down starts from the
+    moment the move was applied.
     """
 
     groups: Groups
@@ -224,6 +237,7 @@ class Regrouper:
     _estimates: StageCosts = field(init=False)
     _reports: dict[int, int] = field(init=False, default_factory=dict)
     _pending: dict[int, dict[int, list[float]]] = field(init=False, default_factory=dict)
+    _pending_overhead: dict[int, list[float]] = field(init=False, default_factory=dict)
     _quiet_until: float = field(init=False, default=-math.inf)
 
     def __post_init__(self) -> None:
@@ -237,26 +251,34 @@ class Regrouper:
     def calibrate(self, layer_seconds: Mapping[int, float]) -> None:
         self._estimates.calibrate(layer_seconds)
 
-    def observe(self, stage: int, layer_seconds: Mapping[int, float]) -> None:
-        """A stage's latest per-layer seconds per batch (reports naming layers the stage no longer has are
-        stale, from before a move, and ignored)."""
+    def observe(self, stage: int, layer_seconds: Mapping[int, float], busy_s: float | None = None) -> None:
+        """A stage's latest per-layer seconds per batch and, when measured, its whole busy seconds per batch
+        (reports naming layers the stage no longer has are stale, from before a move, and ignored)."""
         if not layer_seconds or set(layer_seconds) != set(self.groups[stage]):
             return
-        if self._estimates.costs is None:
-            self._reports[stage] = self._reports.get(stage, 0) + 1
-            if self._reports[stage] <= self.warmup_reports:
-                return
-            pending = self._pending.setdefault(stage, {})
-            for i, t in layer_seconds.items():
-                pending.setdefault(i, []).append(t)
-            rounds = [min((len(ts) for ts in self._pending.get(k, {}).values()), default=0)
-                      for k in range(len(self.groups))]
-            if min(rounds) >= self.calibration_reports:
-                self._estimates.calibrate({i: sum(ts) / len(ts) for times in self._pending.values()
-                                           for i, ts in times.items()})
-                self._pending.clear()
+        self._reports[stage] = self._reports.get(stage, 0) + 1
+        if self._reports[stage] <= self.warmup_reports:
             return
-        self._estimates.report(stage, layer_seconds)
+        if self._estimates.costs is not None:
+            self._estimates.report(stage, layer_seconds, busy_s)
+            return
+        pending = self._pending.setdefault(stage, {})
+        for i, t in layer_seconds.items():
+            pending.setdefault(i, []).append(t)
+        layers = sum(layer_seconds.values())
+        self._pending_overhead.setdefault(stage, []).append(
+            busy_s / layers if busy_s is not None and busy_s > 0.0 and layers > 0.0 else 1.0)
+        rounds = [min((len(ts) for ts in self._pending.get(k, {}).values()), default=0)
+                  for k in range(len(self.groups))]
+        if min(rounds) < self.calibration_reports:
+            return
+        overhead = {i: sum(self._pending_overhead[k]) / len(self._pending_overhead[k])
+                    for k, group in enumerate(self.groups) for i in group}
+        self._estimates.calibrate({i: sum(ts) / len(ts) for times in self._pending.values()
+                                   for i, ts in times.items()}, overhead)
+        self._estimates.slowness = dict.fromkeys(range(len(self.groups)), 1.0)
+        self._pending.clear()
+        self._pending_overhead.clear()
 
     def decide(self, now: float) -> Proposal | None:
         """A move to make now, or ``None``: cooling down, out of moves, not every stage measured since the
@@ -272,10 +294,11 @@ class Regrouper:
         self.groups = _as_groups(groups)
         self.moves += 1
         self._estimates.forget_slowness()
+        self._reports.clear()
         self._quiet_until = now + self.cooldown_s
 
     def hold(self, now: float) -> None:
-        """Start a cool-down without a move (e.g. at the start of training, to let estimates settle)."""
+        """Start a cool-down without a move (e.g. when a proposed split cannot be applied)."""
         self._quiet_until = now + self.cooldown_s
 
 
@@ -301,6 +324,8 @@ class LayerClock:
         self._batches = 0
         self._started = 0.0
         self._last: tuple[int, float] | None = None  # (layer whose backward is running, since when)
+        self.busy_seconds = 0.0
+        """Wall seconds the stage spent handling training messages with these layers (it adds them)."""
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         for k, layer in enumerate(layers):
             self._handles.append(layer.register_forward_pre_hook(self._before))

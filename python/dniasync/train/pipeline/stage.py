@@ -276,7 +276,9 @@ class Stage(Actor):
                 self.trace("sent_downstream", b)
             await self._apply(b, await self.rule.after_forward(self, msg, h_in, h_out))
         self.forwards += 1
-        self.forward_seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.forward_seconds += elapsed
+        self.clock.busy_seconds += elapsed
         await self.params.sync()
 
     async def _loss_step(self, msg: Forward, h_in: torch.Tensor, logits: torch.Tensor) -> None:
@@ -309,6 +311,7 @@ class Stage(Actor):
     @handler
     async def gradient(self, msg: Gradient) -> None:
         b = msg.batch_id
+        started = time.perf_counter()
         self.trace("gradient", b)
         kept = self._kept.pop(b, None)
         if kept is None:
@@ -318,12 +321,15 @@ class Stage(Actor):
             self.staleness_sum += self.steps - kept.at_step
             outcome = await self.rule.on_gradient(self, kept, msg)
         await self._apply(b, outcome)
+        self.clock.busy_seconds += time.perf_counter() - started
         await self.params.sync()
 
     @handler
     async def raw_input(self, msg: RawInput) -> None:
         await self.params.ready()
+        started = time.perf_counter()
         await self._apply(msg.batch_id, await self.rule.on_raw_input(self, msg))
+        self.clock.busy_seconds += time.perf_counter() - started
         await self.params.sync()
 
     @handler
@@ -355,6 +361,7 @@ class Stage(Actor):
             *self.clock.totals(),
             measured.get("estimate_error_ratio", math.nan),
             measured.get("prediction_error", math.nan),
+            self.clock.busy_seconds,
         )
 
     @handler
