@@ -9,7 +9,9 @@ pids and addresses to ``<output_dir>/cluster.json`` (what ``python -m dniasync.c
 The launcher supervises its children: a PS process that dies is started again
 on its address (its shard comes back from the last snapshot); a replica's
 process that dies, or that the job declared dead while it still runs (frozen,
-cut off), is started again on a new address and joins as a new replica. At
+cut off), is started again on a new address and joins as a new replica; a
+pipeline worker's process (with ``[checkpoint] every_seconds``) is started
+again and takes the stages of the one that died. At
 most :data:`RESTART_LIMIT` restarts of one process in :data:`RESTART_WINDOW_S`;
 past that the job fails naming the process and its log. With
 ``DNIASYNC_CHAOS_PROXY=1`` every PS shard is reached through a fault proxy
@@ -224,8 +226,10 @@ class _Supervisor:
         self.out = out
         self.pumps = pumps
         self.restarts = _Restarts()
-        self.restart_workers = get_mode(config.mode).member_kind == "replica"
-        """Data-parallel workers come back as new replicas; a pipeline's stages are not restarted yet."""
+        self.restart_workers = get_mode(config.mode).member_kind == "replica" or (
+            config.mode == "pipeline" and config.checkpoint.every_seconds is not None)
+        """Data-parallel workers come back as new replicas; a pipeline's stages when they have checkpoints to
+        come back from (their pipeline rolls back to its last capture, see cluster.modes._pipeline_durable)."""
         self._restarted: dict[str, int] = {}
         """slot -> restarts so far (each restart logs to a file of its own)."""
         self._seen_alive: set[int] = set()

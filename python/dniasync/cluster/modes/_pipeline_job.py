@@ -30,10 +30,11 @@ from ...train.messages import Params, Progress, Pull, Reshard, ShardSnapshot, Sn
 from ...train.specs import CodecSpec, ShardSpec, StagesSpec
 from .._schema import ConfigError
 from ..config import Config
-from ..plan import data_spec, model_spec, optimizer_spec
+from ..plan import data_spec, model_spec, optimizer_spec, schedule_spec
 from ..protocol import Assignment, JoinJob, NoJob, Ready
 from ..report import RunReport
 from . import JobFailed, Snapshot
+from ._pipeline_durable import PipelineDurability
 from .downpour import record_ps_stats
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ __all__ = ["EVENT_GROUP_FAILED", "PipelineJob", "group_name", "host_stages"]
 
 log = logging.getLogger("dniasync.cluster.modes")
 
+EVENT_BATCH_SIZE: Final = "batch_size"
 EVENT_GROUP_FAILED: Final = "group_failed"
 EVENT_GROUPS_PLACED: Final = "groups_placed"
 EVENT_RESUME_REFUSED: Final = "resume_refused"
@@ -130,6 +132,8 @@ class PipelineJob:
         self._sg_first: dict[str, float] = {}
         self._sg_last: dict[str, float] = {}
         self._stage_bytes: dict[str, tuple[int, int]] = {}
+        self.durability = PipelineDurability(self)
+        """Captures for checkpoints, and the rollback-restart of a pipeline whose stage died."""
 
     def stage_settings(self) -> dict[str, Any]:
         from ...train.pipeline import StageSettings
@@ -183,13 +187,12 @@ class PipelineJob:
 
     # -- placement ------------------------------------------------------------------
     def assign(self, join: JoinJob) -> Assignment | NoJob:
-        if self.drivers:
-            return NoJob("every stage is placed and training", retry=False)
         slot = self.hosts.get(join.member)
         if slot is None:
-            if len(self.hosts) == len(self.slots):
-                return NoJob("every stage is placed", retry=False)
-            slot = self.hosts[join.member] = len(self.hosts)
+            vacant = sorted(set(range(len(self.slots))) - set(self.hosts.values()))
+            if not vacant:  # with restarts, a worker started again may come before its slot is freed: it asks again
+                return NoJob("every stage is placed", retry=self.durability.enabled and not self.runner.ending)
+            slot = self.hosts[join.member] = vacant[0]
         pipeline, groups = self.slots[slot]
         log.info("pipeline %d, stages %s go to %s", pipeline, groups, join.member)
         ps = [ref for k in groups if self.runner.ps for ref in [self.runner.ps[k]] if ref is not None]
@@ -198,6 +201,18 @@ class PipelineJob:
             self.stage_settings(), self.in_features, self.schedule.stage_mailbox_size(), ps,
             self.p.n_fetch, self.p.n_push,
         ))
+
+    def vacate(self, r: int, k: int, reason: str) -> None:
+        """Stage ``k`` of pipeline ``r`` is gone: its slot (every stage of its worker) goes to the next worker."""
+        for slot, (pipeline, groups) in enumerate(self.slots):
+            if pipeline == r and k in groups:
+                gone = [m for m, s in self.hosts.items() if s == slot]
+                for member in gone:
+                    del self.hosts[member]
+                for g in groups:
+                    self.refs[r][g] = None
+                log.warning("pipeline %d, stages %s: %s is gone (%s); waiting for a worker to take them", r, groups,
+                            ", ".join(gone), reason)
 
     async def ready(self, ready: Ready) -> None:
         slot = self.hosts.get(ready.member)
@@ -223,6 +238,8 @@ class PipelineJob:
             except PipelineBroken as exc:
                 raise JobFailed(f"layer group {exc.address} is down ({exc.reason})", EVENT_GROUP_FAILED,
                                 group=exc.address) from None
+            if self.durability.restore_on_start:  # --resume: the stages take the checkpoint's states
+                await self.durability.load_into(r, driver)
         self.runner.mark_started()
         self.runner.event(EVENT_GROUPS_PLACED, groups=addresses, split=split_text(self.groups))
         log.info("training %d pipeline(s) over %s", len(pipelines), addresses)
@@ -231,14 +248,33 @@ class PipelineJob:
     def _batches(self, r: int) -> Iterator[torch.Tensor]:
         import torch
 
+        from ...train.schedules import CursorSizes
+
+        sizes = CursorSizes(schedule_spec(self.config), self.config.data.batch_size)  # [schedule]
         while self.cursors[r].epoch < self.config.stop.max_epochs:
-            indices, self.cursors[r] = self.shard_plan.next_batch(self.cursors[r], self.config.data.batch_size)
+            c = self.cursors[r]
+            size = sizes.at(c.epoch, c.position, self.shard_plan.shard_size(c.shard))
+            if sizes.changed:
+                self.runner.event(EVENT_BATCH_SIZE, pipeline=r, epoch=c.epoch, position=c.position, batch_size=size)
+            indices, self.cursors[r] = self.shard_plan.next_batch(c, size)
             yield torch.from_numpy(np.ascontiguousarray(indices))
 
     async def _train(self, r: int, driver: PipelineDriver) -> None:
+        from ...train.pipeline import PipelineBroken
+
         try:
-            between = functools.partial(self._between, r) if self.regrouper is not None else None
-            result = await driver.train(self.x_train, self.y_train, self._batches(r), between=between)
+            use_between = self.regrouper is not None or self.durability.enabled
+            between = functools.partial(self._between, r) if use_between else None
+            if self.durability.enabled:
+                await self.durability.capture(r)  # a stage that dies from the first batch on has a state to go back to
+            while True:
+                try:
+                    result = await self.drivers[r].train(self.x_train, self.y_train, self._batches(r), between=between)
+                    break
+                except PipelineBroken as exc:
+                    if not self.durability.can_recover(r):
+                        raise
+                    await self.durability.recover(r, exc)  # the cursor goes back: _batches(r) drives from there
             self._note_stats(r, result.stats)  # asked of the stages last: their SG losses are the latest
         finally:
             self.runner.poke()  # done or broken: the runner ends the job now, not at its next tick
@@ -272,8 +308,9 @@ class PipelineJob:
                 await pause.wait()
             finally:
                 self._parked.discard(r)
-        elif r == 0:
+        elif r == 0 and self.regrouper is not None:
             await self._maybe_regroup()
+        await self.durability.maybe_capture(r)
 
     def _layer_sizes(self) -> list[int]:
         return [sum(p.numel() for p in layer.parameters()) for layer in self.eval_model]
@@ -409,14 +446,13 @@ class PipelineJob:
         return None
 
     def samples(self) -> int:
-        return sum(driver.samples_done for driver in self.drivers)
+        return sum(self.durability.pipeline_samples(r) for r in range(len(self.drivers)))
 
     def checkpoint(self) -> tuple[dict[str, Any], dict[str, Part]]:
-        return {"cursors": [[c.shard, c.epoch, c.position] for c in self.cursors], "samples": self.samples()}, {}
+        return self.durability.checkpoint()
 
     def restore(self, loaded: LoadedCheckpoint) -> None:
-        raise JobFailed("a pipeline job cannot be resumed yet: its stages' weights are not in its checkpoints",
-                        EVENT_RESUME_REFUSED)
+        self.durability.restore(loaded)
 
     def steps(self) -> int:
         return self.samples() // self.config.data.batch_size
@@ -438,12 +474,23 @@ class PipelineJob:
 
     # -- evaluation -------------------------------------------------------------------
     async def snapshot(self) -> Snapshot:
-        for r, driver in enumerate(self.drivers):
-            self._note_stats(r, await driver.stats())
-        if self.p.replicas == 1:
-            async with self._regroup_lock:  # the states and the split they belong to, together
-                states = await self.drivers[0].states()
-                return Snapshot([merge_stage_states(self.groups, states)])
+        from ...train.pipeline import PipelineBroken
+
+        capture = self.durability.captures[0]
+        try:
+            for r in range(len(self.drivers)):
+                await self._quiet_stats(r)
+            if self.p.replicas == 1:
+                if 0 in self.durability.recovering and capture is not None:  # the weights it is going back to
+                    return Snapshot([merge_stage_states(capture.groups, [_layer_state(s) for s in capture.states])])
+                async with self._regroup_lock:  # the states and the split they belong to, together
+                    states = await self.drivers[0].states()
+                    return Snapshot([merge_stage_states(self.groups, states)])
+        except PipelineBroken:
+            if not self.durability.enabled or capture is None or self.p.replicas > 1:
+                raise
+            # broken, about to roll back to its capture: those are the weights it trains on next
+            return Snapshot([merge_stage_states(capture.groups, [_layer_state(s) for s in capture.states])])
         async with self._regroup_lock:  # the shards' slices and the split they belong to, together
             replies = await asyncio.gather(*(ps.ask(Pull(), timeout=10.0) for ps in self.runner.ps if ps is not None))
             groups = [list(g) for g in self.groups]
@@ -452,6 +499,21 @@ class PipelineJob:
             assert isinstance(reply, Params)
             shards[reply.shard] = np.array(reply.values, copy=True)
         return Snapshot([self._unflatten(groups, shards)])
+
+    async def _quiet_stats(self, r: int) -> list[StageStats]:
+        """Pipeline ``r``'s stage stats, noted; none while it is broken and will be rolled back."""
+        from ...train.pipeline import PipelineBroken
+
+        if r in self.durability.recovering:
+            return []
+        try:
+            stats = await self.drivers[r].stats()
+        except PipelineBroken:
+            if not self.durability.enabled:
+                raise
+            return []
+        self._note_stats(r, stats)
+        return stats
 
     def _unflatten(self, groups: list[list[int]], shards: dict[int, np.ndarray]) -> dict[str, Any]:
         """The shards' flat vectors (one per stage) as the model's parameters, by state-dict key."""
@@ -509,9 +571,11 @@ class PipelineJob:
         report.set_metric("split", split_text(self.groups))
         if self.regrouper is not None:
             report.set_metric("regroup_moves", self._moves)
-        for r, driver in enumerate(self.drivers):
-            stats = await driver.stats()
-            self._note_stats(r, stats)
+        if self.durability.enabled:
+            report.set_metric("pipeline_restarts", self.durability.restarts)
+            report.set_metric("samples_lost", self.durability.samples_lost)
+        for r in range(len(self.drivers)):
+            stats = await self._quiet_stats(r)
             for k, s in enumerate(stats):
                 key = self._key(r, k)
                 report.set_metric(f"{key}_address", s.address)
@@ -536,6 +600,11 @@ class PipelineJob:
     async def close(self) -> None:
         for driver in self.drivers:
             await driver.close()
+
+
+def _layer_state(state: Any) -> dict[str, Any]:
+    """A stage capture's layer tensors by the stage's own state-dict keys."""
+    return {name.removeprefix("layers."): t for name, t in zip(state.names, state.tensors) if name.startswith("layers.")}
 
 
 async def host_stages(host: Host, spec: StagesSpec) -> list[ActorRef]:

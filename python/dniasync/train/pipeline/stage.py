@@ -54,6 +54,7 @@ from .regroup import LayerClock, drop_from_optimizer, pack_layers, unpack_layers
 from .rules import Kept, Outcome, UpdateRule, make_rule
 from .rules.real import forward_with
 from .settings import StageSettings, StageShape
+from .stage_state import RestoreStage, SaveStage, StageCheckpoint, load_stage, save_stage
 
 __all__ = ["Stage"]
 
@@ -483,3 +484,15 @@ class Stage(Actor):
     @handler
     def events(self, msg: TraceRequest) -> Trace:
         return Trace(list(self._events), list(self._event_batches))
+
+    # -- checkpoints (see stage_state) ----------------------------------------------------
+    @handler
+    async def save(self, msg: SaveStage) -> StageCheckpoint:
+        self._check_idle("save its state")
+        return await self.run_blocking(save_stage, self)
+
+    @handler
+    async def restore(self, msg: RestoreStage) -> bool:
+        await self.run_blocking(load_stage, self, msg.first_layer, msg.names, msg.tensors)
+        self.trace("restored", -1)
+        return True

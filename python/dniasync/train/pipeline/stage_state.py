@@ -1,0 +1,123 @@
+"""A stage's whole training state as named tensors: what a checkpoint keeps of it and a restart loads back.
+
+:class:`SaveStage` asks a :class:`~dniasync.train.pipeline.stage.Stage` for
+its layers' state dict, its local optimizer's state (Adam moments and step,
+SGD momentum; none when PS shards hold it), and its rule's SG model and
+synthetic-input model with their optimizers' state. :class:`RestoreStage`
+loads such a state into a stage of the same layers: the layers and models
+take the saved values, the rule starts afresh around them (no batch kept,
+no micro-batch counted), so the stage is as it was when the state was taken
+with its pipeline drained. Names: ``layers.<key>``, ``opt.<param>.<key>``,
+``sg.<key>``, ``sg_opt.<param>.<key>``, ``input.<key>``, ``input_opt.<param>.<key>``.
+Plain tensors only: the remote codec and the checkpoint files carry them as raw bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...actors import message
+
+if TYPE_CHECKING:
+    from .stage import Stage
+
+__all__ = ["RestoreStage", "SaveStage", "StageCheckpoint", "load_stage", "save_stage"]
+
+
+@message("dniasync.dni.SaveStage")
+@dataclass(frozen=True)
+class SaveStage:
+    """Ask a drained stage for its whole state (answered with :class:`StageCheckpoint`)."""
+
+
+@message("dniasync.dni.StageCheckpoint")
+@dataclass(frozen=True)
+class StageCheckpoint:
+    """A stage's state: ``names[i]`` names ``tensors[i]``; its layers are model layers ``first_layer`` on."""
+
+    first_layer: int
+    n_layers: int
+    names: list[str]
+    tensors: list[torch.Tensor]
+
+
+@message("dniasync.dni.RestoreStage")
+@dataclass(frozen=True)
+class RestoreStage:
+    """Load a :class:`StageCheckpoint`'s tensors into the stage (answered with True)."""
+
+    first_layer: int
+    names: list[str]
+    tensors: list[torch.Tensor]
+
+
+def _optimizer_tensors(prefix: str, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {}
+    for index, slots in optimizer.state_dict()["state"].items():
+        for key, value in slots.items():
+            if isinstance(value, torch.Tensor):
+                out[f"{prefix}.{index}.{key}"] = value.detach().clone()
+            elif isinstance(value, (int, float)):
+                out[f"{prefix}.{index}.{key}"] = torch.tensor(float(value))
+    return out
+
+
+def _load_optimizer(prefix: str, optimizer: torch.optim.Optimizer, saved: dict[str, torch.Tensor]) -> None:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in saved.items():
+        if name.startswith(prefix + "."):
+            index, key = name[len(prefix) + 1:].split(".", 1)
+            state.setdefault(int(index), {})[key] = tensor.clone()
+    current = optimizer.state_dict()
+    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+
+
+def _with_prefix(prefix: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {f"{prefix}.{k}": v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _strip(prefix: str, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) + 1:]: v for k, v in saved.items() if k.startswith(prefix + ".")}
+
+
+def save_stage(stage: Stage) -> StageCheckpoint:
+    """Everything ``stage`` has learned, as named tensors (call with its pipeline drained)."""
+    from ..param_sync import LocalOptimizer
+
+    out = _with_prefix("layers", stage.layers)
+    if isinstance(stage.params, LocalOptimizer):
+        out.update(_optimizer_tensors("opt", stage.params.optimizer))
+    for prefix, model in (("sg", stage.rule.sg), ("input", stage.rule.input_model)):
+        if model is not None:
+            out.update(_with_prefix(prefix, model))
+            out.update(_optimizer_tensors(f"{prefix}_opt", model.optimizer))
+    return StageCheckpoint(stage.first_layer, len(stage.layers), list(out), list(out.values()))
+
+
+def load_stage(stage: Stage, first_layer: int, names: list[str], tensors: list[torch.Tensor]) -> None:
+    """Put a :func:`save_stage` state back into ``stage`` (same layers); its rule starts afresh around it."""
+    from ..param_sync import LocalOptimizer
+    from .rules import make_rule
+
+    if first_layer != stage.first_layer:
+        raise ValueError(f"{stage.ref.address}: the saved state is of layers from {first_layer}, "
+                         f"the stage holds layers from {stage.first_layer}")
+    saved = dict(zip(names, tensors, strict=True))
+    with torch.no_grad():
+        stage.layers.load_state_dict(_strip("layers", saved))
+    if isinstance(stage.params, LocalOptimizer):
+        _load_optimizer("opt", stage.params.optimizer, saved)
+    stage.rule = make_rule(stage.settings, stage.shape)
+    stage.rule.connect(stage.upstream is not None)
+    stage.sg = stage.rule.sg
+    for prefix, model in (("sg", stage.rule.sg), ("input", stage.rule.input_model)):
+        if model is not None and any(k.startswith(prefix + ".") for k in saved):
+            with torch.no_grad():
+                model.load_state_dict(_strip(prefix, saved))
+            _load_optimizer(f"{prefix}_opt", model.optimizer, saved)
+    stage._sg_seen = stage._input_seen = 0  # positions in the old models' loss records
+    stage._kept.clear()
+    stage._parts_done.clear()
