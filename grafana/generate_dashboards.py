@@ -114,6 +114,25 @@ def overview() -> dict[str, Any]:
     d.panel("stat", "Replicas alive", "Replicas the coordinator considers alive / declared dead.",
             [target(f"sum(dniasync_train_replicas_alive{{{SEL}}})", "alive"),
              target(f"sum(dniasync_train_replicas_dead{{{SEL}}})", "dead")], w=4)
+    d.row("Sandblaster L-BFGS")
+    d.panel("timeseries", "L-BFGS loss", "Full-batch training loss at Sandblaster's latest iterate.",
+            [target(f"max(dniasync_sandblaster_train_loss{{{SEL}}})", "training loss")])
+    d.panel("timeseries", "L-BFGS iterations and line search",
+            "Iterations, full-batch gradients and line-search evaluations per second.",
+            [target(f"sum(rate(dniasync_sandblaster_iterations_total{{{SEL}}}[{RI}]))", "iterations"),
+             target(f"sum(rate(dniasync_sandblaster_batch_gradients_total{{{SEL}}}[{RI}]))", "batch gradients"),
+             target(f"sum(rate(dniasync_sandblaster_line_search_evaluations_total{{{SEL}}}[{RI}]))",
+                    "line-search evaluations")], unit="ops")
+    d.panel("stat", "Portions reissued", "Portions handed out again (backup tasks, a lost replica's), backup "
+            "tasks, and duplicate results dropped, since the start.",
+            [target(f"sum(dniasync_sandblaster_portions_reissued_total{{{SEL}}})", "reissued"),
+             target(f"sum(dniasync_sandblaster_backup_tasks_total{{{SEL}}})", "backup tasks"),
+             target(f"sum(dniasync_sandblaster_duplicates_dropped_total{{{SEL}}})", "duplicates dropped")], w=4)
+    d.panel("stat", "Coordinator bytes per iteration", "Bytes of commands and scalar replies between the "
+            "coordinator and the PS shards per L-BFGS iteration (no parameter vector passes through it).",
+            [target(f"sum(dniasync_sandblaster_command_bytes_total{{{SEL}}}) / "
+                    f"clamp_min(sum(dniasync_sandblaster_iterations_total{{{SEL}}}), 1)", "bytes/iteration")],
+            unit="decbytes", w=4)
     d.row("Async health")
     d.panel("heatmap", "Staleness heatmap", "PS version gap of each push (versions), per interval.",
             [target(f"sum by (le) (increase(dniasync_ps_staleness_versions_bucket{{{SEL}}}[{RI}]))", "{{le}}",

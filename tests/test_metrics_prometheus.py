@@ -1,8 +1,9 @@
 """Every query of every Grafana panel, run by a real Prometheus scraping a real training run.
 
 A ``--role local`` Downpour job (coordinator, 2 PS shards, 2 replicas: the
-launcher's file-SD targets file) and a node hosting DNI layer groups (a
-second targets file) are scraped every second; once every node is ``up``,
+launcher's file-SD targets file), a ``--role local`` Sandblaster job (the same
+five roles; its L-BFGS panels) and a node hosting DNI layer groups (a third
+targets file) are scraped every second; once every node is ``up``,
 each panel query of both dashboards (template variables substituted) must
 succeed and return data. ``promtool`` checks each node's exposition.
 """
@@ -18,9 +19,25 @@ from typing import Any
 
 import pytest
 
-from _observability import ROOT, DNINode, LocalCluster, Prometheus, fetch, need
+from _observability import JOB, ROOT, DNINode, LocalCluster, Prometheus, fetch, need
 
 DASHBOARDS = ROOT / "grafana" / "dashboards"
+SANDBLASTER_JOB = JOB.replace('mode = "downpour"', 'mode = "sandblaster"').split("[optimizer]")[0] + """
+[sandblaster]
+n_replicas = 2
+n_ps_shards = 2
+max_iterations = 1000000
+tolerance_grad = 0.0
+tolerance_change = 0.0
+portion_size = 100
+
+[stop]
+max_epochs = 1000000
+max_seconds = {max_seconds}
+
+[eval]
+every_seconds = 0.5
+"""
 RATE_INTERVAL = "10s"
 DEADLINE_S = 60.0
 
@@ -59,21 +76,23 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Promethe
     need("prometheus", "prometheus")
     tmp = tmp_path_factory.mktemp("prometheus")
     cluster = LocalCluster(tmp, "metrics-job")
+    sandblaster = LocalCluster(tmp, "metrics-sandblaster", job=SANDBLASTER_JOB)
     dni: DNINode | None = None
     prometheus: Prometheus | None = None
     try:
         dni = DNINode(tmp)
         dni_targets = tmp / "dni_targets.json"
         dni_targets.write_text(json.dumps([{"targets": [dni.address], "labels": {"cluster": "dni"}}]))
-        prometheus = Prometheus(tmp, [cluster.targets_file, dni_targets])
+        prometheus = Prometheus(tmp, [cluster.targets_file, sandblaster.targets_file, dni_targets])
         prometheus.wait_ready()
-        nodes = cluster.wait_targets(5) + [dni.address]
+        nodes = cluster.wait_targets(5) + sandblaster.wait_targets(5) + [dni.address]
         deadline = time.monotonic() + DEADLINE_S
         while True:
             up = {r["metric"]["instance"]: r["value"][1] for r in prometheus.query('up{job="dniasync"}')}
             if all(up.get(node) == "1" for node in nodes):
                 break
-            assert time.monotonic() < deadline, f"not every node is up: {up} (want {nodes})\n{cluster.output()}"
+            assert time.monotonic() < deadline, (f"not every node is up: {up} (want {nodes})\n{cluster.output()}\n"
+                                                 f"{sandblaster.output()}")
             time.sleep(0.5)
         yield prometheus, nodes
     finally:
@@ -81,6 +100,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Promethe
             prometheus.stop()
         if dni is not None:
             dni.stop()
+        sandblaster.stop()
         cluster.stop()
 
 
@@ -126,7 +146,7 @@ def test_every_panel_query_returns_data(scraped: tuple[Prometheus, list[str]]) -
     assert {r["metric"]["group"] for r in groups} == {"layer-group-0", "layer-group-1", "layer-group-2"}
     roles = next(r for (_, t, _), r in results.items() if t == "Members up by role")
     assert {r["metric"]["role"]: float(r["value"][1]) for r in roles} == {
-        "coordinator": 1, "ps": 2, "worker": 2, "dni": 1}
+        "coordinator": 2, "ps": 4, "worker": 4, "dni": 1}
     print(f"{len(results)} dashboard queries returned data")
 
 

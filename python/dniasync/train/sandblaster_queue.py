@@ -28,6 +28,7 @@ from typing import Any
 from ..actors import Actor, ActorRef, handler
 from .lbfgs import LBFGSResult, LBFGSSettings, VectorFreeLBFGS, combine_accept, combine_direction
 from .sandblaster import (IDLE, STOP, Accept, Assign, Commit, Direction, Reduce, Scalars, Trial, Work)
+from .telemetry import track_sandblaster
 
 __all__ = ["Board", "PortionQueue", "SandblasterCoordinator"]
 
@@ -191,6 +192,7 @@ class SandblasterCoordinator(Actor):
 
     async def on_start(self) -> None:
         self.board.started = time.monotonic()
+        track_sandblaster(self.system, self)
         self._task = asyncio.create_task(self._drive(), name=f"{self.name}-lbfgs")
 
     async def on_stop(self) -> None:

@@ -22,12 +22,15 @@ __all__ = [
     "PS_REJECT_REASONS",
     "PS_SHARDS",
     "REPLICAS",
+    "SANDBLASTER",
     "LayerGroupState",
     "PSShardState",
     "ReplicaState",
+    "SandblasterState",
     "track_layer_group",
     "track_ps_shard",
     "track_replica",
+    "track_sandblaster",
 ]
 
 FAMILIES = Families()
@@ -96,6 +99,22 @@ DNI_LAYERS = FAMILIES.gauge("dniasync_dni_group_layers", "Layers a stage holds n
 DNI_LAYER_MOVES = FAMILIES.counter("dniasync_dni_group_layer_moves_total",
                                    "Layers a stage gave to a neighbour or took from one (direction: out, in).",
                                    "group", "direction")
+# -- Sandblaster L-BFGS (the coordinator's driver) ---------------------------------------
+SB_ITERATIONS = FAMILIES.counter("dniasync_sandblaster_iterations_total", "L-BFGS iterations Sandblaster completed.")
+SB_LOSS = FAMILIES.gauge("dniasync_sandblaster_train_loss",
+                         "Full-batch training loss at Sandblaster's latest L-BFGS iterate.")
+SB_GRADIENTS = FAMILIES.counter("dniasync_sandblaster_batch_gradients_total",
+                                "Full-batch gradients Sandblaster computed (one per loss evaluation).")
+SB_LINE_SEARCH = FAMILIES.counter("dniasync_sandblaster_line_search_evaluations_total",
+                                  "Loss evaluations Sandblaster's line searches made.")
+SB_REISSUED = FAMILIES.counter("dniasync_sandblaster_portions_reissued_total",
+                               "Portions of a batch handed out again (backup tasks and a lost replica's).")
+SB_BACKUPS = FAMILIES.counter("dniasync_sandblaster_backup_tasks_total",
+                              "Backup copies of outstanding portions handed to idle replicas near a batch's end.")
+SB_DUPLICATES = FAMILIES.counter("dniasync_sandblaster_duplicates_dropped_total",
+                                 "Portion results dropped because another replica's result had won.")
+SB_COMMAND_BYTES = FAMILIES.counter("dniasync_sandblaster_command_bytes_total",
+                                    "Bytes of the coordinator's commands to the PS shards and of their replies.")
 
 PS_REJECT_REASONS: Final = ("stale", "duplicate", "zombie", "nonfinite", "bad_payload")
 
@@ -182,6 +201,30 @@ class LayerGroupState(Protocol):
     def layers_out(self) -> int: ...
 
 
+class SandblasterState(Protocol):
+    @property
+    def ref(self) -> ActorRef: ...
+    @property
+    def board(self) -> Any:
+        """The coordinator's figures: ``iterations``, ``loss``, ``evaluations``, ``line_search_evals``,
+        ``command_bytes`` and ``queue`` (None, or ``reissued``, ``backups``, ``duplicates_dropped``)."""
+
+
+def _collect_sandblaster(system: ActorSystem, drivers: Sequence[SandblasterState]) -> Iterator[Metric]:
+    boards = [d.board for d in drivers]
+    queues = [b.queue for b in boards if b.queue is not None]
+    yield SB_ITERATIONS.single(sum(b.iterations for b in boards))
+    losses = [b.loss for b in boards if math.isfinite(b.loss)]
+    if losses:
+        yield SB_LOSS.single(losses[0])
+    yield SB_GRADIENTS.single(sum(b.evaluations for b in boards))
+    yield SB_LINE_SEARCH.single(sum(b.line_search_evals for b in boards))
+    yield SB_REISSUED.single(sum(q.reissued for q in queues))
+    yield SB_BACKUPS.single(sum(q.backups for q in queues))
+    yield SB_DUPLICATES.single(sum(q.duplicates_dropped for q in queues))
+    yield SB_COMMAND_BYTES.single(sum(b.command_bytes for b in boards))
+
+
 def _collect_replicas(system: ActorSystem, reps: Sequence[ReplicaState]) -> Iterator[Metric]:
     pushed = sum(r.bytes_pushed for r in reps)
     dense = sum(r.dense_bytes_pushed for r in reps)
@@ -260,6 +303,7 @@ def _collect_layer_groups(system: ActorSystem, groups: Sequence[LayerGroupState]
 REPLICAS: Final[Tracker[ReplicaState]] = Tracker("replicas", _collect_replicas)
 PS_SHARDS: Final[Tracker[tuple[PSShardState, tuple[int, ...]]]] = Tracker("ps_shards", _collect_ps_shards)
 LAYER_GROUPS: Final[Tracker[LayerGroupState]] = Tracker("layer_groups", _collect_layer_groups)
+SANDBLASTER: Final[Tracker[SandblasterState]] = Tracker("sandblaster", _collect_sandblaster)
 
 
 def track_replica(system: ActorSystem, replica: ReplicaState) -> None:
@@ -275,3 +319,8 @@ def track_ps_shard(system: ActorSystem, shard: PSShardState, buckets: Sequence[i
 def track_layer_group(system: ActorSystem, group: LayerGroupState) -> None:
     """Export a layer group's (or pipeline stage's) counters from the node ``system`` runs on."""
     track(system, LAYER_GROUPS, group.ref, group)
+
+
+def track_sandblaster(system: ActorSystem, driver: SandblasterState) -> None:
+    """Export the Sandblaster coordinator's L-BFGS figures from the node ``system`` runs on."""
+    track(system, SANDBLASTER, driver.ref, driver)
