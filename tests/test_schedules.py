@@ -122,14 +122,129 @@ def test_a_downpour_job_with_a_stepwise_schedule_takes_fewer_larger_steps(tmp_pa
     assert grown["final_accuracy"] > 0.5
 
 
-def test_the_schedule_section_is_refused_where_no_mode_reads_it() -> None:
+def test_every_mode_reads_the_schedule_section_and_a_bad_end_is_refused() -> None:
     from dniasync.cluster.config import ConfigError, parse_config
 
-    raw = {"job": {"name": "x", "mode": "sandblaster"}, "model": {"factory": "dniasync.train.models:mlp"},
-           "data": {"dataset": "digits", "n_train": 100, "n_test": 10}, "schedule": {"kind": "stepwise"}}
-    with pytest.raises(ConfigError, match="schedule"):
-        parse_config(raw, resolve=False)
-    raw["job"]["mode"] = "downpour"
+    for mode in ("downpour", "hogwild", "pipeline", "sandblaster"):
+        raw = {"job": {"name": "x", "mode": mode}, "model": {"factory": "dniasync.train.models:mlp"},
+               "data": {"dataset": "digits", "n_train": 100, "n_test": 10}, "schedule": {"kind": "stepwise"}}
+        if mode == "pipeline":
+            raw["pipeline"], raw["optimizer"] = {"groups": [[0, 1], [2]]}, {"name": "adam"}
+        assert parse_config(raw, resolve=False).schedule.kind == "stepwise"
     raw["schedule"] = {"kind": "stepwise", "start": 64, "end": 32}
     with pytest.raises(ConfigError, match="schedule.end"):
         parse_config(raw, resolve=False)
+
+
+PIPELINE_JOB = """
+[job]
+name = "{name}"
+mode = "pipeline"
+seed = 1
+output_dir = "{out}"
+
+[model]
+factory = "dniasync.train.models:mlp"
+kwargs = {{ sizes = [64, 32, 10] }}
+
+[data]
+dataset = "digits"
+n_train = 1400
+n_test = 397
+batch_size = 16
+
+[optimizer]
+name = "adam"
+lr = 0.001
+
+[pipeline]
+groups = [[0, 1], [2]]
+method = "dni"
+
+[stop]
+max_epochs = 4
+max_seconds = 300
+
+[eval]
+every_seconds = 1.0
+
+[schedule]
+kind = "stepwise"
+end = 128
+every_epochs = 1.0
+"""
+
+
+def run_job(tmp_path: Path, name: str, text: str, stop_reason: str) -> dict[str, Any]:
+    out = tmp_path / name
+    config = tmp_path / f"{name}.toml"
+    config.write_text(text.format(name=name, out=out))
+    proc = subprocess.run([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    assert doc["stop_reason"] == stop_reason, doc["stop_reason"]
+    return doc
+
+
+def test_a_pipeline_job_trains_on_the_batches_its_schedule_grows(tmp_path: Path) -> None:
+    doc = run_job(tmp_path, "pipeline", PIPELINE_JOB, "trained 4 epochs")
+    grown = [(e["epoch"], e["position"], e["batch_size"]) for e in doc["events"] if e["kind"] == "batch_size"]
+    assert grown == [(0, 0, 16), (1, 0, 32), (2, 0, 64), (3, 0, 128)]
+    # every batch reached the last stage, which steps once per batch: 88 + 44 + 22 + 11 batches, not 4 x 88
+    assert doc["metrics"]["group1_steps"] == sum(-(-1400 // size) for size in (16, 32, 64, 128))
+    assert doc["samples"] == 4 * 1400
+
+
+SANDBLASTER_JOB = """
+[job]
+name = "{name}"
+mode = "sandblaster"
+seed = 1
+output_dir = "{out}"
+
+[model]
+factory = "dniasync.train.models:mlp"
+kwargs = {{ sizes = [64, 32, 10] }}
+
+[data]
+dataset = "digits"
+n_train = 1400
+n_test = 397
+
+[sandblaster]
+n_replicas = 2
+n_ps_shards = 2
+max_iterations = 40
+tolerance_grad = 0.0
+tolerance_change = 0.0
+portion_size = 100
+
+[stop]
+max_epochs = 1000
+max_seconds = 300
+
+[eval]
+every_seconds = 1.0
+
+[schedule]
+kind = "stepwise"
+start = 150
+end = 1400
+every_epochs = 2.0
+"""
+
+
+def test_sandblaster_takes_its_loss_on_a_sample_that_grows_with_the_schedule(tmp_path: Path) -> None:
+    doc = run_job(tmp_path, "sandblaster", SANDBLASTER_JOB, "L-BFGS stopped: max_iterations")
+    m = doc["metrics"]
+    changes = [tuple(int(v) for v in pair.split(":")) for pair in m["sample_sizes"].split(",")]
+    # 150, 300, 600, 1200, 2400 in whole portions of 100 (150 rounds up), at most the 1,400 training examples;
+    # doubling every 2 epochs of 1,400 examples
+    assert [size for _, size in changes] == [200, 300, 600, 1200, 1400]
+    iterations = [i for i, _ in changes]
+    assert iterations[0] == 0 and iterations == sorted(iterations) and iterations[-1] <= 40
+    assert [(e["iteration"], e["batch_size"]) for e in doc["events"] if e["kind"] == "batch_size"] == changes
+    # the loss was taken on the samples: fewer examples than every evaluation over the whole training set
+    assert doc["samples"] < m["evaluations"] * 1400
+    assert m["sample_size"] == 1400 and m["iterations"] == 40

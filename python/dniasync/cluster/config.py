@@ -219,8 +219,14 @@ class RegroupConfig(Section, frozen=True):
         "finds best for it instead of `pipeline.groups` (which still gives the number of stages)"))] = False
 
 
+SCHEDULED_MODES: Final = ("downpour", "hogwild", "pipeline", "sandblaster")
+
+
 class ScheduleConfig(Section, frozen=True):
-    """Batch-size schedule (modes `downpour` and `hogwild`): the mini-batch grows as training goes; lr unchanged."""
+    """Batch-size schedule (modes `downpour`, `hogwild`, `pipeline`, `sandblaster`): the mini-batch grows as training goes; lr unchanged.
+
+    Sandblaster's batch is the sample L-BFGS takes its loss on: the first examples of the training set, in
+    whole portions, growing between iterations; its epochs count the examples of every batch gradient."""
 
     kind: Annotated[Literal["fixed", "stepwise"], Meta(description=(
         "`fixed`: data.batch_size throughout; `stepwise`: start x factor^floor(epoch / every_epochs), at most end. "
@@ -325,9 +331,9 @@ def parse_config(raw: Mapping[str, Any], *, resolve: bool = True) -> Config:
         regroup=convert_section("regroup", _table(raw, "regroup"), RegroupConfig),
         schedule=convert_section("schedule", _table(raw, "schedule"), ScheduleConfig),
     )
-    if "schedule" in raw and job.mode not in ("downpour", "hogwild"):
-        raise ConfigError(f"section '[schedule]' applies to job.mode 'downpour' and 'hogwild', not {job.mode!r}",
-                          "schedule")
+    if "schedule" in raw and job.mode not in SCHEDULED_MODES:
+        raise ConfigError(f"section '[schedule]' applies to job.mode {', '.join(map(repr, SCHEDULED_MODES))}, "
+                          f"not {job.mode!r}", "schedule")
     start = config.schedule.start or config.data.batch_size
     if config.schedule.kind == "stepwise" and config.schedule.end < start:
         raise ConfigError(f"'schedule.end' is {config.schedule.end}, below the first batch size {start}",

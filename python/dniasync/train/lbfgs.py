@@ -254,10 +254,15 @@ class VectorFreeLBFGS:
     """L-BFGS that holds no vector: the two-loop recursion on the dot products of ``{s_k, y_k, g}``."""
 
     def __init__(self, group: ShardGroup, settings: LBFGSSettings,
-                 on_iteration: Callable[[int, LBFGSResult], Awaitable[None]] | None = None) -> None:
+                 on_iteration: Callable[[int, LBFGSResult], Awaitable[None]] | None = None,
+                 resample: Callable[[int], Awaitable[bool]] | None = None) -> None:
+        """``resample(n_iter)``, before each iteration after the first: True when the group changed the sample
+        its loss is taken on (a batch-size schedule); the loss and gradient at the current point are then taken
+        again on the new sample (the stored pairs stay: each was measured on one sample)."""
         self.group = group
         self.settings = settings
         self.on_iteration = on_iteration
+        self.resample = resample
         self.result = LBFGSResult()
         self.gram: dict[tuple[str, str], float] = {}
         self.history: list[int] = []
@@ -321,6 +326,10 @@ class VectorFreeLBFGS:
                 for k in drop:
                     self.rho.pop(k, None)
                     self.gram = {key: v for key, v in self.gram.items() if f"s{k}" not in key and f"y{k}" not in key}
+            if n_iter > 1 and self.resample is not None and await self.resample(n_iter):
+                loss = await self.group.evaluate(0.0)
+                g_sum, g_max = await self._accept(0.0, None)
+                result.evaluations += 1
             coeffs = self._two_loop() if n_iter > 1 else [("g", -1.0)]
             gd, d_max = await self.group.direction(coeffs, drop)
             t = _first_step(st, n_iter, g_sum)

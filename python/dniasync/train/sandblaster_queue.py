@@ -28,6 +28,7 @@ from typing import Any
 from ..actors import Actor, ActorRef, handler
 from .lbfgs import LBFGSResult, LBFGSSettings, VectorFreeLBFGS, combine_accept, combine_direction
 from .sandblaster import (IDLE, STOP, Accept, Assign, Commit, Direction, Reduce, Scalars, Trial, Work)
+from .schedules import ScheduleSpec, make_schedule
 from .telemetry import track_sandblaster
 
 __all__ = ["Board", "PortionQueue", "SandblasterCoordinator"]
@@ -62,9 +63,12 @@ class PortionQueue:
         self.losses: dict[int, float] = {}
         self.pushes: list[tuple[int, str, int]] = []
 
-    def start(self, batch: int) -> None:
+    def start(self, batch: int, n_portions: int | None = None) -> None:
+        """Open ``batch`` (of ``n_portions`` portions, when the sample changed size)."""
         self.batch = batch
         self.active = True
+        if n_portions is not None:
+            self.n = n_portions
         self._reset()
 
     @property
@@ -166,6 +170,12 @@ class Board:
     command_bytes: int = 0
     """Bytes of every command to the shards and of their replies."""
     command_scalars: int = 0
+    sample_size: int = 0
+    """Examples the loss is taken on now (the training set, or the first examples of it under a schedule)."""
+    sample_sizes: list[tuple[int, int]] = field(default_factory=list)
+    """(iteration, sample size) of every change of the sample (iteration 0: the first)."""
+    examples: int = 0
+    """Examples every batch gradient so far was taken over, summed (epochs = examples / n_train)."""
     stop_reason: str | None = None
     error: str | None = None
     stopping: bool = False
@@ -179,12 +189,18 @@ class SandblasterCoordinator(Actor):
     mailbox_size = 0
 
     def __init__(self, shards: list[ActorRef], settings: LBFGSSettings, n_train: int, portion_size: int,
-                 backup_threshold: float, board: Board, measure: Callable[[Any, bool], int] | None = None) -> None:
+                 backup_threshold: float, board: Board, measure: Callable[[Any, bool], int] | None = None,
+                 schedule: ScheduleSpec | None = None) -> None:
         self.shards = shards
         self.settings = settings
         self.n_train = n_train
-        self.queue = PortionQueue(-(-n_train // portion_size), backup_threshold)
+        self.portion_size = portion_size
+        self.schedule = make_schedule(schedule)
+        """A batch-size schedule: the sample grows (whole portions, the first examples) between iterations."""
         self.board = board
+        board.sample_size = self._sample_at(0.0)
+        board.sample_sizes.append((0, board.sample_size))
+        self.queue = PortionQueue(-(-board.sample_size // portion_size), backup_threshold)
         board.queue = self.queue
         self.measure = measure
         self._batch_done = asyncio.Event()
@@ -203,7 +219,8 @@ class SandblasterCoordinator(Actor):
 
     async def _drive(self) -> None:
         try:
-            result = await VectorFreeLBFGS(self, self.settings, on_iteration=self._iterated).run()
+            resample = self._resample if self.schedule is not None else None
+            result = await VectorFreeLBFGS(self, self.settings, on_iteration=self._iterated, resample=resample).run()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the job fails, naming why
@@ -222,6 +239,22 @@ class SandblasterCoordinator(Actor):
         log.info("L-BFGS iteration %d: loss %.6g, step %.3g (%d evaluations)", n_iter, b.loss, result.steps[-1],
                  result.line_search_evals[-1])
 
+    def _sample_at(self, epoch: float) -> int:
+        if self.schedule is None:
+            return self.n_train
+        size = -(-self.schedule.batch_size(epoch) // self.portion_size) * self.portion_size
+        return min(self.n_train, size)
+
+    async def _resample(self, n_iter: int) -> bool:
+        b = self.board
+        size = self._sample_at(b.examples / self.n_train)
+        if size == b.sample_size:
+            return False
+        log.info("L-BFGS sample: %d -> %d examples before iteration %d", b.sample_size, size, n_iter)
+        b.sample_size = size
+        b.sample_sizes.append((n_iter, size))
+        return True
+
     # -- commands to every shard ----------------------------------------------------------------
     async def _all(self, msg: Any) -> list[Any]:
         replies = await asyncio.gather(*(s.ask(msg, timeout=COMMAND_TIMEOUT_S) for s in self.shards))
@@ -232,10 +265,10 @@ class SandblasterCoordinator(Actor):
         return replies
 
     async def evaluate(self, t: float) -> float:
-        batch = self.queue.batch + 1
+        batch, m = self.queue.batch + 1, self.board.sample_size
         await self._all(Trial(batch, t))
         self._batch_done.clear()
-        self.queue.start(batch)
+        self.queue.start(batch, -(-m // self.portion_size))
         opened = time.monotonic()
         while not self.queue.complete:
             try:
@@ -246,9 +279,10 @@ class SandblasterCoordinator(Actor):
         self.board.batch_seconds.append(time.monotonic() - opened)
         self.board.batch_ends_unix.append(time.time())
         replicas, seqs = self.queue.keys()
-        await self._all(Reduce(batch, replicas, seqs, 1.0 / self.n_train))
+        await self._all(Reduce(batch, replicas, seqs, 1.0 / m))
         self.board.evaluations += 1
-        return self.queue.loss_sum() / self.n_train
+        self.board.examples += m
+        return self.queue.loss_sum() / m
 
     async def accept(self, t: float, k: int | None, pairs: list[tuple[str, str]]) -> tuple[list[float], float, float]:
         replies = await self._all(Accept(t, -1 if k is None else k, [list(p) for p in pairs]))

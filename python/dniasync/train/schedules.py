@@ -35,7 +35,7 @@ import numpy as np
 
 from ..actors import message
 
-__all__ = ["BatchSchedule", "NormTest", "ScheduleSpec", "make_schedule"]
+__all__ = ["BatchSchedule", "CursorSizes", "NormTest", "ScheduleSpec", "make_schedule"]
 
 Kind = Literal["fixed", "stepwise", "dynamic"]
 LrScaling = Literal["none", "linear", "sqrt"]
@@ -133,3 +133,23 @@ class BatchSchedule:
 
 def make_schedule(spec: ScheduleSpec | None) -> BatchSchedule | None:
     return None if spec is None else BatchSchedule(spec)
+
+
+class CursorSizes:
+    """The batch size for the next read of a data cursor: ``default`` without a schedule, else the schedule's at
+    the cursor's fractional epoch. ``changed`` says whether the last :meth:`at` gave a new size (the first
+    read counts as a change only under a schedule), so a driver can report every growth once."""
+
+    def __init__(self, spec: ScheduleSpec | None, default: int) -> None:
+        self.schedule = make_schedule(spec)
+        self.default = default
+        self.current: int | None = None
+        self.changed = False
+
+    def at(self, epoch: int, position: int, shard_size: int) -> int:
+        if self.schedule is None:
+            self.changed = False
+            return self.default
+        size = self.schedule.batch_size(epoch + position / shard_size)
+        self.changed, self.current = size != self.current, size
+        return size

@@ -26,7 +26,7 @@ from ...actors import ActorError, ActorRef, Directive
 from ...train.messages import StopTraining
 from ...train.sandblaster import Fetch, SandblasterReplicaSpec, SandblasterShardSpec, Slice
 from .._schema import ConfigError, Section
-from ..plan import data_spec, model_spec
+from ..plan import data_spec, model_spec, schedule_spec
 from ..protocol import Assignment, JoinJob, NoJob, Ready
 from . import Hoster, JobFailed, Snapshot
 from ._data_parallel import replica_name
@@ -48,6 +48,8 @@ COORDINATOR_NAME = "sandblaster"
 PARAMS_FILE = "sandblaster_params.npy"
 """The final parameters (float64), written next to the summary."""
 EVENT_REPLICA_GONE = "sandblaster_replica_gone"
+EVENT_SAMPLE = "batch_size"
+"""The sample L-BFGS works on changed size (a ``[schedule]``): ``iteration``, ``batch_size``."""
 
 
 class SandblasterConfig(Section, frozen=True):
@@ -125,6 +127,7 @@ class _SandblasterJob:
         self.board = Board(silence_limit_s=s.silence_s, on_dead=self._replica_gone)
         self.replicas: dict[str, str] = {}
         self.coordinator: ActorRef | None = None
+        self._sizes_reported = 0
         node = runner.ref.address.partition("@")[2]
         self.coordinator_address = f"{COORDINATOR_NAME}@{node}"
 
@@ -154,7 +157,7 @@ class _SandblasterJob:
             self.coordinator = await self.runner.system.spawn(
                 SandblasterCoordinator, self._shard_refs(), self.lbfgs, self.config.data.n_train,
                 self.settings.portion_size, self.settings.backup_threshold, self.board, _measure,
-                name=COORDINATOR_NAME, supervision=Directive.STOP)
+                schedule_spec(self.config), name=COORDINATOR_NAME, supervision=Directive.STOP)
             self.runner.mark_started()
 
     def _replica_gone(self, name: str, returned: int) -> None:
@@ -165,13 +168,17 @@ class _SandblasterJob:
         return
 
     def check(self, now: float) -> None:
+        if self.config.schedule.kind != "fixed":
+            for iteration, size in self.board.sample_sizes[self._sizes_reported:]:
+                self.runner.event(EVENT_SAMPLE, iteration=iteration, batch_size=size)
+            self._sizes_reported = len(self.board.sample_sizes)
         if self.board.error is not None:
             raise JobFailed(f"Sandblaster L-BFGS failed: {self.board.error}", "sandblaster_failed")
         for name in self.replicas:
             self.replicas[name] = "dead" if name in self.board.dead else "alive"
 
     def samples(self) -> int:
-        return self.board.evaluations * self.config.data.n_train
+        return self.board.examples
 
     def steps(self) -> int:
         return self.board.iterations
@@ -194,6 +201,7 @@ class _SandblasterJob:
             "coordinator_command_bytes": b.command_bytes, "coordinator_bytes_per_iteration": per_iteration,
             "coordinator_scalars_received": b.command_scalars,
             "param_vector_bytes": self.n_params * 8,
+            "sample_size": b.sample_size, "epochs": b.examples / self.config.data.n_train,
         }
 
     def extra(self) -> dict[str, Any]:
@@ -242,6 +250,7 @@ class _SandblasterJob:
         report.set_metric("iteration_walls", ",".join(f"{v:.4f}" for v in b.walls))
         report.set_metric("batch_seconds", ",".join(f"{v:.4f}" for v in b.batch_seconds))
         report.set_metric("batch_end_unix", ",".join(f"{v:.4f}" for v in b.batch_ends_unix))
+        report.set_metric("sample_sizes", ",".join(f"{i}:{m}" for i, m in b.sample_sizes))
         try:
             params = await self._params()
         except ActorError:
