@@ -3,7 +3,9 @@
 One run, one machine: mnist5k and the compute-bound MLP of ``bench_pipeline.py``
 (784-1024x4-10, batch 128, SpecTrain with SGD + momentum 0.9, lr 0.02: at
 bench_pipeline's 0.05 SpecTrain's final accuracy varies by points from run to
-run across 2 processes, which would drown the comparison), cut into 2
+run across 2 processes, which would drown the comparison; 3 batches in
+flight, enough to keep 2 stages busy, 12 epochs, so that balanced splits
+reach the 90% target too), cut into 2
 stages in 2 worker processes with one torch thread each, through the real
 launcher (``python -m dniasync.node --role local``; held-out accuracy scored
 after training from saved weights, so evaluation takes no CPU from the
@@ -17,8 +19,9 @@ stages). Wall times exclude start-up and evaluation.
 Each runs ``--repeat`` times (default 3), round robin; figures are medians.
 "Steady" samples/s is the rate over the second half of a run's wall time
 (after regrouping has settled). Then **reacting to a change**: stage 0's
-process is slowed to half speed a third of the way through a regrouping run
-(it is pinned to CPU 0 and a busy loop pinned beside it starts; the rest of
+process is slowed to a third of its speed a third of the way through a
+regrouping run (it is pinned to CPU 0 and two busy loops pinned beside it
+start, as two co-located jobs would; the rest of
 the job is pinned to CPU 1 throughout), and the run's steady rate after its
 moves is compared with the best static split under the same slowdown (every
 cut tried again with it). A duty-cycled SIGSTOP/SIGCONT was tried first: it
@@ -53,6 +56,8 @@ from typing import Any
 import _common
 
 TARGET = 0.90
+HOGS = 2
+"""Busy loops beside the slowed stage: with two, it runs at about a third of its speed."""
 
 JOB = """
 [job]
@@ -108,8 +113,8 @@ def settings(quick: bool) -> dict[str, Any]:
                 "probe_epochs": 1, "react_epochs": 12, "lr": 0.05, "seed": 0, "eval_s": 0.25, "max_in_flight": 4,
                 "cooldown_s": 0.5, "target": 0.80, "repeat": 1}
     return {"sizes": [784, 1024, 1024, 1024, 1024, 10], "n_train": 4000, "n_test": 1000, "batch_size": 128,
-            "epochs": 10, "probe_epochs": 2, "react_epochs": 24, "lr": 0.02, "seed": 0, "eval_s": 0.5,
-            "max_in_flight": 4, "cooldown_s": 3.0, "target": TARGET, "repeat": 3}
+            "epochs": 12, "probe_epochs": 2, "react_epochs": 24, "lr": 0.02, "seed": 0, "eval_s": 0.5,
+            "max_in_flight": 3, "cooldown_s": 3.0, "target": TARGET, "repeat": 3}
 
 
 def n_layers(sizes: list[int]) -> int:
@@ -121,22 +126,23 @@ def split_at(cut: int, n: int) -> list[list[int]]:
 
 
 class Slowdown:
-    """Halve a process's speed as a co-located job would: the process is pinned to CPU 0 beside a busy loop pinned
-    there too (the scheduler shares the core between them), until :meth:`stop`. The other processes of the job
+    """Cut a process's speed to a third as two co-located jobs would: the process is pinned to CPU 0 beside
+    ``HOGS`` busy loops pinned there too (the scheduler shares the core between them), until :meth:`stop`. The other processes of the job
     are pinned to CPU 1 for the whole run (see :func:`pin`), so only the slowed stage shares its core."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self._hog: subprocess.Popen[bytes] | None = None
+        self._hogs: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> None:
         os.sched_setaffinity(self.pid, {0})
-        self._hog = subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"])
+        self._hogs = [subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"])
+                      for _ in range(HOGS)]
 
     def stop(self) -> None:
-        if self._hog is not None:
-            self._hog.kill()
-            self._hog.wait()
+        for hog in self._hogs:
+            hog.kill()
+            hog.wait()
 
 
 def pin(out: Path, stage0: int) -> None:
@@ -166,7 +172,7 @@ def _stage0_pid(out: Path) -> int | None:
 
 def run_job(name: str, s: dict[str, Any], groups: list[list[int]], tmp: Path, *, regroup: bool, epochs: int,
             slow_after_s: float | None = None) -> dict[str, Any]:
-    """One job through the launcher; with ``slow_after_s``, stage 0 runs at half speed from that many seconds of
+    """One job through the launcher; with ``slow_after_s``, stage 0 runs at a third of its speed from that many seconds of
     training on (0: from the start)."""
     out = tmp / name
     config = tmp / f"{name}.toml"
@@ -233,7 +239,7 @@ def best_cut(s: dict[str, Any], tmp: Path, label: str, slow: bool) -> tuple[int,
         run = run_job(f"probe-{label}-{cut}", s, split_at(cut, n), tmp, regroup=False, epochs=s["probe_epochs"],
                       slow_after_s=0.0 if slow else None)
         rates[cut] = run["samples_per_s"]
-        print(f"  probe{' (stage 0 at half speed)' if slow else ''}: cut at {cut}: {rates[cut]:,.0f} samples/s",
+        print(f"  probe{' (stage 0 at a third of its speed)' if slow else ''}: cut at {cut}: {rates[cut]:,.0f} samples/s",
               flush=True)
     return max(rates, key=lambda c: rates[c]), rates
 
@@ -273,7 +279,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         for m in run["moves"]:
             ax.axvline(m["wall_s"], color=colors[name], linestyle=":", alpha=0.7)
         if run.get("slow_at_s") and name == "reaction":
-            ax.axvline(run["slow_at_s"], color="black", linestyle="--", label="stage 0 slowed to half speed")
+            ax.axvline(run["slow_at_s"], color="black", linestyle="--", label="stage 0 slowed to a third of its speed")
         mid.plot([p["wall_s"] for p in h], [100 * p["accuracy"] for p in h], color=colors[name], label=name)
     for name in ("regroup", "reaction"):
         run = series[name]
@@ -283,7 +289,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
             (bottom if name == "reaction" else top).annotate(f"stage 0: {k} layers", (t, 0), fontsize=7,
                                                              rotation=90, va="bottom")
     top.set_title("samples/s over time (dotted: moves)")
-    bottom.set_title("reacting to a half-speed stage 0 (dashed: slowdown starts)")
+    bottom.set_title("reacting to stage 0 at a third of its speed (dashed: slowdown starts)")
     mid.set_title("held-out accuracy (%) over time")
     for ax in (top, mid, bottom):
         ax.set_xlabel("training wall time (s)")
@@ -320,7 +326,7 @@ def main() -> int:
                       f"{100 * run['final_accuracy']:.2f}%, moves {[m['split'] for m in run['moves']]}", flush=True)
         for name, rs in runs.items():
             results[name] = summarise(rs, s["target"])
-        print("reacting to a change: every cut with stage 0 at half speed", flush=True)
+        print("reacting to a change: every cut with stage 0 at a third of its speed", flush=True)
         slow_cut, slow_rates = best_cut(s, tmp, "slow", slow=True)
         results["probe_rates_slowed"] = slow_rates
         results["config"]["best_static_slowed"] = split_at(slow_cut, n)
