@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -113,6 +114,12 @@ def test_page_shows_a_dni_job_and_its_layer_groups(tmp_path: Path) -> None:
         assert status["history"][-1]["accuracy"] > 0.3
         assert status["series"][-1]["samples_per_s"] > 0
         assert status["job"]["split"] == "0-1 | 2-4"
+        # cDNI: stage 0 steps on synthetic gradients, with a version gap and a measured SG error; the last stage
+        # steps on the loss's own gradient
+        gaps, errors = (status["job"][k].split(" | ") for k in ("stage_version_gap", "stage_estimate_error"))
+        assert len(gaps) == 2 and float(gaps[0]) >= 0.0, status["job"]
+        assert math.isfinite(float(errors[0])) and errors[1] == "-", status["job"]
+        assert status["job"]["stage_stash_bytes"] == "0 | 0"
 
         if shutil.which("chromium"):
             done = chromium(tmp_path, "--dump-dom", f"http://{address}/")
@@ -121,5 +128,6 @@ def test_page_shows_a_dni_job_and_its_layer_groups(tmp_path: Path) -> None:
             for name in groups:
                 assert name in done.stdout
             assert "stage 0: layers 0-1" in done.stdout and "stage 1: layers 2-4" in done.stdout
+            assert "version gap" in done.stdout and "estimate error" in done.stdout
     finally:
         cluster.stop()

@@ -167,9 +167,11 @@ class LivePage:
                 "name": s.job, "mode": s.mode, "state": s.state, "wall_s": s.wall_s, "samples": s.samples,
                 "epochs": s.epochs, "max_epochs": s.max_epochs, "accuracy": s.accuracy, "loss": s.loss,
                 "samples_per_s": s.samples_per_s, "member_kind": get_mode(s.mode).member_kind,
-                # pipelines: the split now ("0-2 | 3-4"), each stage's estimated ms per batch, regrouping moves;
+                # pipelines: the split now ("0-2 | 3-4"), per stage its estimated ms per batch, version gap, stash
+                # bytes and estimate error (same separator), regrouping moves;
                 # Sandblaster: its L-BFGS progress in one line
-                **{key: s.extra[key] for key in ("split", "stage_ms", "regroup_moves", "lbfgs") if key in s.extra},
+                **{key: s.extra[key] for key in ("split", "stage_ms", "regroup_moves", "lbfgs", "stage_version_gap",
+                                                 "stage_stash_bytes", "stage_estimate_error") if key in s.extra},
             }
             doc["replicas"] = dict(s.replicas)
             doc["history"] = [{"wall_s": p.wall_s, "samples": p.samples, "accuracy": p.accuracy, "loss": p.loss}

@@ -132,6 +132,7 @@ class PipelineJob:
         self._sg_first: dict[str, float] = {}
         self._sg_last: dict[str, float] = {}
         self._stage_bytes: dict[str, tuple[int, int]] = {}
+        self._stage_view: list[StageStats] = []  # pipeline 0's latest stats, for the live page
         self.durability = PipelineDurability(self)
         """Captures for checkpoints, and the rollback-restart of a pipeline whose stage died."""
 
@@ -470,6 +471,13 @@ class PipelineJob:
                 slowness = self.regrouper.estimates.stage_slowness(len(self.groups))
                 extra["stage_ms"] = " | ".join(f"{1000 * slowness[k] * sum(costs[i] for i in g):.1f}"
                                                for k, g in enumerate(self.groups))
+        view = self._stage_view
+        if len(view) == len(self.groups):  # per stage of pipeline 0, " | "-separated like the split
+            extra["stage_version_gap"] = " | ".join(
+                f"{s.sg_staleness_total / s.steps:.2f}" if s.steps else "-" for s in view)
+            extra["stage_stash_bytes"] = " | ".join(str(s.stash_bytes) for s in view)
+            extra["stage_estimate_error"] = " | ".join(
+                f"{s.estimate_error_ratio:.3f}" if math.isfinite(s.estimate_error_ratio) else "-" for s in view)
         return extra
 
     # -- evaluation -------------------------------------------------------------------
@@ -553,6 +561,8 @@ class PipelineJob:
 
     def _note_stats(self, r: int, stats: list[StageStats]) -> None:
         """Each stage's mean SG loss since the previous stats request (first and latest kept) and PS bytes."""
+        if r == 0:
+            self._stage_view = list(stats)
         for k, s in enumerate(stats):
             key = self._key(r, k)
             if math.isfinite(s.sg_loss):
