@@ -1,4 +1,4 @@
-"""A Downpour job under a fault every 20 s vs the same job without faults; the cost of checkpoints.
+"""A Downpour job and a pipeline job under a fault every 20 s vs the same jobs without faults; checkpoint cost.
 
 Run: python benchmarks/bench_chaos.py [--quick] [--skip-checkpoint]
 
@@ -32,6 +32,19 @@ same epoch budget), ``chaos_samples_lost_bound_vs_worst`` (one interval's
 worth / the worst PS kill's loss; goal >= 1), ``checkpoint_samples_per_s_vs_none``
 (training samples/s while checkpointing every 10 s / without; goal >= 0.95).
 
+**The pipeline job** is ``examples/dni_downpour_mnist.toml`` (the same MLP
+cut into 2 layer groups, cDNI, 2 pipelines whose replicated stages share a
+PS shard per group: 4 worker processes, 2 PS processes), with an epoch
+budget, checkpoints every ``CHECKPOINT_S`` and its own target
+``PIPELINE_TARGET`` (90%, the example's). The same five faults: killing a
+worker kills a stage (the launcher restarts it; its pipeline rolls back to
+its last capture and drives the batches since then again, see
+``dniasync.cluster.modes._pipeline_durable``); its samples lost are those of
+each ``pipeline_restored`` event (trained after the capture, trained again).
+Ratios per job (``downpour_...``, ``pipeline_...``) and, over both,
+``chaos_faults_survived_fraction`` (all faults) and ``chaos_time_vs_fault_free``
+(the lower of the two jobs').
+
 **Checkpoint cost.** A 4.08M-parameter MLP (784-2048-1200-10): the time and
 bytes of one checkpoint of its PS state (parameters and Adagrad state, two
 shards) with :class:`~dniasync.train.checkpoint.CheckpointStore` (sha256,
@@ -62,6 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, parser, say, table, write  # noqa: E402
 
 TARGET = 0.92
+PIPELINE_TARGET = 0.90
 CHECKPOINT_S = 5.0
 SETTLE_S = 8.0
 FAULTS = "kill_ps,kill_replica,freeze,reset,blackhole"
@@ -105,13 +119,53 @@ every_seconds = {eval_s}
 """
 
 
+PIPELINE_JOB = """
+[job]
+name = "{name}"
+mode = "pipeline"
+seed = 0
+output_dir = "{out}"
+
+[model]
+factory = "dniasync.train.models:mlp"
+kwargs = {{ sizes = [784, 256, 256, 10], activation = "relu" }}
+
+[data]
+dataset = "mnist5k"
+n_train = 4000
+n_test = 1000
+batch_size = 64
+
+[optimizer]
+name = "adam"
+lr = 3e-4
+
+[pipeline]
+groups = [[0, 1], [2, 3, 4]]
+method = "cdni"
+sg_hidden_layers = 0
+sg_lr = 1e-4
+max_in_flight = 4
+replicas = 2
+
+[stop]
+max_epochs = {epochs}
+max_seconds = {max_seconds}
+
+[eval]
+every_seconds = {eval_s}
+{checkpoint}
+"""
+
+
 def job(tmp: Path, name: str, *, epochs: int, checkpoint_s: float | None, sizes: list[int] | None = None,
-        max_seconds: float = 3600, eval_s: float = 1.0) -> tuple[Path, Path]:
+        max_seconds: float = 3600, eval_s: float = 1.0, kind: str = "downpour") -> tuple[Path, Path]:
     out = tmp / name
     config = tmp / f"{name}.toml"
     ckpt = f"\n[checkpoint]\nevery_seconds = {checkpoint_s}\n" if checkpoint_s else ""
-    config.write_text(JOB.format(name=name, out=out, sizes=sizes or [784, 256, 256, 10], epochs=epochs,
-                                 max_seconds=max_seconds, eval_s=eval_s, checkpoint=ckpt))
+    template = PIPELINE_JOB if kind == "pipeline" else JOB
+    config.write_text(template.format(name=name, out=out, sizes=sizes or [784, 256, 256, 10], epochs=epochs,
+                                      max_seconds=max_seconds, eval_s=eval_s, checkpoint=ckpt))
     return config, out
 
 
@@ -134,19 +188,19 @@ def finish(launcher: subprocess.Popen[str], out: Path, timeout: float) -> dict[s
 
 
 # -- the chaos run -------------------------------------------------------------------------
-def fault_free(tmp: Path, epochs: int) -> dict[str, Any]:
-    config, out = job(tmp, "fault_free", epochs=epochs, checkpoint_s=CHECKPOINT_S)
+def fault_free(tmp: Path, epochs: int, kind: str = "downpour") -> dict[str, Any]:
+    config, out = job(tmp, f"{kind}_fault_free", epochs=epochs, checkpoint_s=CHECKPOINT_S, kind=kind)
     summary = finish(launch(config, out), out, timeout=3600)
-    say(f"fault-free: {summary['stop_reason']}, {summary['wall_s']:.1f} s, final accuracy "
+    say(f"{kind} fault-free: {summary['stop_reason']}, {summary['wall_s']:.1f} s, final accuracy "
         f"{summary['final_accuracy']:.4f}")
     return summary
 
 
 def chaos_run(tmp: Path, epochs: int, *, every: float, freeze: float, blackhole: float, settle: float,
-              seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    config, out = job(tmp, "chaos", epochs=epochs, checkpoint_s=CHECKPOINT_S)
+              seed: int, kind: str = "downpour") -> tuple[dict[str, Any], dict[str, Any]]:
+    config, out = job(tmp, f"{kind}_chaos", epochs=epochs, checkpoint_s=CHECKPOINT_S, kind=kind)
     launcher = launch(config, out, proxies=True)
-    report_path = tmp / "chaos_report.json"
+    report_path = tmp / f"{kind}_chaos_report.json"
     chaos = subprocess.run(
         [sys.executable, "-m", "dniasync.chaos", "--job-dir", str(out), "--faults", FAULTS,
          "--first", str(every), "--every", str(every), "--freeze-s", str(freeze), "--blackhole-s", str(blackhole),
@@ -158,7 +212,7 @@ def chaos_run(tmp: Path, epochs: int, *, every: float, freeze: float, blackhole:
         raise SystemExit(f"the chaos tool failed: {chaos.stderr}")
     summary = finish(launcher, out, timeout=3600)
     report: dict[str, Any] = json.loads(report_path.read_text())
-    say(f"chaos: {summary['stop_reason']}, {summary['wall_s']:.1f} s, final accuracy {summary['final_accuracy']:.4f}, "
+    say(f"{kind} chaos: {summary['stop_reason']}, {summary['wall_s']:.1f} s, final accuracy {summary['final_accuracy']:.4f}, "
         f"{len(report['faults'])} faults")
     return summary, report
 
@@ -175,9 +229,14 @@ def survived(fault: dict[str, Any], summary: dict[str, Any]) -> bool:
     return any(h["wall_s"] > end and h["samples"] > max(before, default=0) for h in summary["history"])
 
 
-def reached(summary: dict[str, Any]) -> float | None:
-    """Seconds to the first evaluation at or above TARGET (None: never reached)."""
-    return next((h["wall_s"] for h in summary["history"] if h["accuracy"] >= TARGET), None)
+def reached(summary: dict[str, Any], target: float = TARGET) -> float | None:
+    """Seconds to the first evaluation at or above ``target`` (None: never reached)."""
+    return next((h["wall_s"] for h in summary["history"] if h["accuracy"] >= target), None)
+
+
+def stage_losses(summary: dict[str, Any]) -> list[int]:
+    """Samples a pipeline had trained since its capture when a stage of it died (trained again after)."""
+    return [int(e["samples_lost"]) for e in summary["events"] if e["kind"] == "pipeline_restored"]
 
 
 def ps_kill_losses(summary: dict[str, Any]) -> list[int]:
@@ -203,34 +262,39 @@ def soak_table(report: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def plot(free: dict[str, Any], chaos: dict[str, Any], report: dict[str, Any], path: Path) -> None:
+TITLES = {"downpour": "Downpour on MNIST (2 replicas, 2 PS shards)",
+          "pipeline": "cDNI pipeline x Downpour on MNIST (2 stages x 2 pipelines, 2 PS shards)"}
+
+
+def plot(runs: list[tuple[str, dict[str, Any], dict[str, Any], dict[str, Any], float]], path: Path) -> None:
+    """One panel per job: accuracy over training time, fault-free and under chaos, the faults marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 5))
-    for summary, label in ((free, "fault-free"), (chaos, "under chaos")):
-        hist = summary["history"]
-        ax.plot([h["wall_s"] for h in hist], [h["accuracy"] for h in hist], label=label, lw=1.2)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 4.5 * len(runs)), squeeze=False)
     colors = {"kill_ps": "red", "kill_replica": "orange", "freeze": "blue", "reset": "purple", "blackhole": "black"}
-    seen = set()
-    for f in report["faults"]:
-        kind = f["kind"]
-        ax.axvline(f["at_s"], color=colors.get(kind, "grey"), ls="--", lw=0.9,
-                   label=None if kind in seen else kind)
-        if "seconds" in f:
-            ax.axvspan(f["at_s"], f["at_s"] + f["seconds"], color=colors.get(kind, "grey"), alpha=0.08)
-        seen.add(kind)
-    ax.axhline(TARGET, color="green", lw=0.6, ls=":", label=f"target {TARGET:.0%}")
-    lows = [h["accuracy"] for s in (free, chaos) for h in s["history"]]
-    ax.set_ylim(max(0.0, min(lows) - 0.02) if lows else 0.0, 1.0)
-    ax.set_xlabel("training wall time (s)")
-    ax.set_ylabel("held-out accuracy")
-    ax.set_title("Downpour on MNIST (2 replicas, 2 PS shards): one fault every "
-                 f"{report['faults'][1]['at_s'] - report['faults'][0]['at_s']:.0f} s" if len(report["faults"]) > 1
-                 else "Downpour under chaos")
-    ax.legend(loc="lower right", fontsize=8)
+    for ax, (kind, free, chaos, report, target) in zip(axes[:, 0], runs):
+        for summary, label in ((free, "fault-free"), (chaos, "under chaos")):
+            hist = summary["history"]
+            ax.plot([h["wall_s"] for h in hist], [h["accuracy"] for h in hist], label=label, lw=1.2)
+        seen = set()
+        for f in report["faults"]:
+            fk = f["kind"]
+            name = "kill stage" if fk == "kill_replica" and kind == "pipeline" else fk
+            ax.axvline(f["at_s"], color=colors.get(fk, "grey"), ls="--", lw=0.9, label=None if name in seen else name)
+            if "seconds" in f:
+                ax.axvspan(f["at_s"], f["at_s"] + f["seconds"], color=colors.get(fk, "grey"), alpha=0.08)
+            seen.add(name)
+        ax.axhline(target, color="green", lw=0.6, ls=":", label=f"target {target:.0%}")
+        lows = [h["accuracy"] for s_ in (free, chaos) for h in s_["history"]]
+        ax.set_ylim(max(0.0, min(lows) - 0.02) if lows else 0.0, 1.0)
+        ax.set_xlabel("training wall time (s)")
+        ax.set_ylabel("held-out accuracy")
+        every = (report["faults"][1]["at_s"] - report["faults"][0]["at_s"]) if len(report["faults"]) > 1 else 0.0
+        ax.set_title(f"{TITLES[kind]}: one fault every {every:.0f} s")
+        ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -287,55 +351,75 @@ def main() -> None:
     p.add_argument("--skip-checkpoint", action="store_true", help="only the chaos run")
     p.add_argument("--reps", type=int, default=2, help="slowdown runs of each variant")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", default="downpour,pipeline", help="which chaos jobs to run (comma-separated)")
     args = p.parse_args()
     quick = args.quick
     epochs = 40 if quick else 300
+    pipeline_epochs = 40 if quick else 300
     every, freeze, blackhole = (5.0, 3.0, 2.0) if quick else (20.0, 10.0, 5.0)
-    results: dict[str, Any] = {"target": TARGET, "checkpoint_every_s": CHECKPOINT_S, "epochs": epochs,
+    results: dict[str, Any] = {"checkpoint_every_s": CHECKPOINT_S,
                                "fault_every_s": every, "faults_from": FAULTS.split(",")}
     ratios: dict[str, float] = {}
+    runs = []
+    faults_all: list[bool] = []
+    times: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench_chaos") as tmpdir:
         tmp = Path(tmpdir)
-        free = fault_free(tmp, epochs)
-        chaos, report = chaos_run(tmp, epochs, every=every, settle=1.5 if quick else SETTLE_S, freeze=freeze,
-                                  blackhole=blackhole, seed=args.seed)
-        faults = report["faults"]
-        ok = [survived(f, chaos) for f in faults]
-        rate = free["samples"] / free["wall_s"]
-        bound = rate * CHECKPOINT_S
-        losses = ps_kill_losses(chaos)
-        results["fault_free"] = {k: free[k] for k in ("wall_s", "samples", "final_accuracy", "best_accuracy",
-                                                       "stop_reason", "history")}
-        results["chaos"] = {k: chaos[k] for k in ("wall_s", "samples", "final_accuracy", "best_accuracy",
-                                                   "stop_reason", "history", "events")}
-        results["faults"] = [{**f, "survived": s} for f, s in zip(faults, ok)]
-        results["reached_target"] = {"fault_free": reached(free), "chaos": reached(chaos)}
-        results["samples_lost_per_ps_kill"] = losses
-        results["samples_lost_bound"] = bound
-        results["soak"] = soak_table(report)
-        results["soak_after_s"] = next((json.loads(line).get("after_s") for line in
-                                        (tmp / "chaos" / "chaos.jsonl").read_text().splitlines()
-                                        if json.loads(line)["kind"] == "soak"), None)
-        ratios["chaos_faults_survived_fraction"] = sum(ok) / len(ok) if ok else 0.0
-        ratios["chaos_time_vs_fault_free"] = free["wall_s"] / chaos["wall_s"]
-        if losses:
-            ratios["chaos_samples_lost_bound_vs_worst"] = bound / max(max(losses), 1)
+        for kind in args.jobs.split(","):
+            target = PIPELINE_TARGET if kind == "pipeline" else TARGET
+            n_epochs = (pipeline_epochs if kind == "pipeline" else epochs)
+            free = fault_free(tmp, n_epochs, kind)
+            chaos, report = chaos_run(tmp, n_epochs, every=every, settle=1.5 if quick else SETTLE_S, freeze=freeze,
+                                      blackhole=blackhole, seed=args.seed, kind=kind)
+            faults = report["faults"]
+            ok = [survived(f, chaos) for f in faults]
+            rate = free["samples"] / free["wall_s"]
+            bound = rate * CHECKPOINT_S
+            losses = ps_kill_losses(chaos)
+            lost_stages = stage_losses(chaos)
+            r: dict[str, Any] = {"epochs": n_epochs, "target": target}
+            r["fault_free"] = {k: free[k] for k in ("wall_s", "samples", "final_accuracy", "best_accuracy",
+                                                     "stop_reason", "history")}
+            r["chaos"] = {k: chaos[k] for k in ("wall_s", "samples", "final_accuracy", "best_accuracy",
+                                                 "stop_reason", "history", "events")}
+            r["faults"] = [{**f, "survived": s_} for f, s_ in zip(faults, ok)]
+            r["reached_target"] = {"fault_free": reached(free, target), "chaos": reached(chaos, target)}
+            r["samples_lost_per_ps_kill"] = losses
+            r["samples_lost_per_stage_kill"] = lost_stages
+            r["samples_lost_bound"] = bound
+            r["soak"] = soak_table(report)
+            r["soak_after_s"] = next((json.loads(line).get("after_s") for line in
+                                      (tmp / f"{kind}_chaos" / "chaos.jsonl").read_text().splitlines()
+                                      if json.loads(line)["kind"] == "soak"), None)
+            results[kind] = r
+            ratios[f"{kind}_chaos_faults_survived_fraction"] = sum(ok) / len(ok) if ok else 0.0
+            ratios[f"{kind}_chaos_time_vs_fault_free"] = free["wall_s"] / chaos["wall_s"]
+            worst = max(losses + lost_stages, default=None)
+            if worst is not None:
+                ratios[f"{kind}_chaos_samples_lost_bound_vs_worst"] = bound / max(worst, 1)
+            faults_all += ok
+            times.append(free["wall_s"] / chaos["wall_s"])
+            runs.append((kind, free, chaos, report, target))
+            rows = [(f"{f['kind']} at {f['at_s']:.0f} s", f.get("slot") or f.get("link") or "",
+                     "survived" if s_ else "NOT") for f, s_ in zip(faults, ok)]
+            say(table(rows, ("fault", "target", "outcome")))
+            say(f"{kind}: fault-free {free['wall_s']:.1f} s (acc {free['final_accuracy']:.4f}, target at "
+                f"{r['reached_target']['fault_free']}); chaos {chaos['wall_s']:.1f} s (acc {chaos['final_accuracy']:.4f}, "
+                f"target at {r['reached_target']['chaos']}); samples lost per PS kill {losses}, per stage kill "
+                f"{lost_stages} (bound {bound:,.0f})")
+            for name, p_ in r["soak"].items():
+                say(f"  soak {name}: fds {p_['open_fds']}, RSS MiB {p_['rss_mib']}, tasks {p_['asyncio_tasks']}")
+        ratios["chaos_faults_survived_fraction"] = sum(faults_all) / len(faults_all) if faults_all else 0.0
+        ratios["chaos_time_vs_fault_free"] = min(times)
         RESULTS.mkdir(parents=True, exist_ok=True)
         png = RESULTS / ("bench_chaos_quick.png" if quick else "bench_chaos.png")
-        plot(free, chaos, report, png)
+        plot(runs, png)
         if not args.skip_checkpoint:
             results["checkpoint_cost"] = checkpoint_cost(tmp, 2 if quick else 5)
             results["checkpoint_slowdown"] = slowdown(tmp, 1 if quick else args.reps, 15.0 if quick else SLOWDOWN_S)
             s = results["checkpoint_slowdown"]
             ratios["checkpoint_samples_per_s_vs_none"] = s["median_every_10s"] / s["median_none"]
     path = write("bench_chaos", quick, results, ratios)
-    rows = [(f"{f['kind']} at {f['at_s']:.0f} s", f.get("slot") or f.get("link") or "", "survived" if s else "NOT")
-            for f, s in zip(faults, ok)]
-    say(table(rows, ("fault", "target", "outcome")))
-    say(f"fault-free {free['wall_s']:.1f} s (acc {free['final_accuracy']:.4f}); chaos {chaos['wall_s']:.1f} s "
-        f"(acc {chaos['final_accuracy']:.4f}); samples lost per PS kill {losses} (bound {bound:,.0f})")
-    for name, p_ in results["soak"].items():
-        say(f"  soak {name}: fds {p_['open_fds']}, RSS MiB {p_['rss_mib']}, tasks {p_['asyncio_tasks']}")
     if "checkpoint_cost" in results:
         c = results["checkpoint_cost"]
         say(f"checkpoint of {c['parameters']:,} parameters: {c['checkpoint_bytes']:,} bytes, write "
