@@ -73,3 +73,85 @@ def test_a_killed_stage_is_restarted_and_its_pipeline_finishes_from_its_checkpoi
     assert victim["address"] not in restored["stages"]  # the stage lives in the restarted process now
     assert "restarting it" in stdout
     assert doc["final_accuracy"] >= 0.85, doc["history"]
+
+
+def test_a_stage_that_keeps_dying_fails_the_job_naming_its_process(tmp_path: Path) -> None:
+    """The bounded-restart rule holds for stages too: the fourth death of one slot's process within the window
+    ends the run, naming the process and its log, with a summary of what ran."""
+    config, out = write_job(tmp_path, "stagedies", epochs=100_000, seconds=600)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        victim = None
+        while time.monotonic() < deadline and victim is None:
+            if _coordinator_says(out, "eval:"):
+                victim = _worker_hosting(out, 1)
+            time.sleep(0.1)
+        assert victim is not None, "the pipeline never started training"
+        slot, killed = victim["slot"], set()
+        while launcher.poll() is None and time.monotonic() < deadline + 300:
+            # kill whatever process holds the slot now, as soon as it appears: restarts come faster than the window
+            for child in json.loads((out / "cluster.json").read_text())["children"]:
+                if child["slot"] == slot and child["pid"] not in killed:
+                    killed.add(child["pid"])
+                    try:
+                        os.kill(child["pid"], signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            time.sleep(0.05)
+        stdout, stderr = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 1, stdout + stderr
+    assert f"worker process {slot}" in stderr and "keeps failing" in stderr, stderr
+    assert len(killed) == 4  # the first death and three restarts
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["stop_reason"].startswith("stopped"), doc["stop_reason"]
+
+
+def test_a_pipeline_job_whose_coordinator_was_killed_resumes_with_its_stages_states(tmp_path: Path) -> None:
+    epochs = 100
+    config, out = write_job(tmp_path, "piperesume", epochs=epochs, seconds=900)
+    config.write_text(config.read_text() + "\n[checkpoint]\nevery_seconds = 1.0\n")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (
+                _coordinator_says(out, "checkpoint ckpt-00000003") and _coordinator_says(out, "eval:")):
+            time.sleep(0.1)
+        coordinator = next(c for c in json.loads((out / "cluster.json").read_text())["children"]
+                           if c["role"] == "coordinator")
+        os.kill(coordinator["pid"], signal.SIGKILL)
+        stdout, stderr = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 1 and not (out / "summary.json").exists(), stdout + stderr
+    latest = sorted((out / "checkpoints").glob("ckpt-*"))[-1]
+    manifest = json.loads((latest / "manifest.json").read_text())
+    assert {"stage-0-0", "stage-0-1"} <= set(manifest["parts"]), manifest["parts"]
+    assert manifest["meta"]["mode"]["groups"] == [[0, 1], [2]]  # the split is in the job's state
+    resumed = subprocess.run(
+        [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config), "--resume"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "every stage loaded its state from the checkpoint" in (out / "logs" / "coordinator0.log").read_text()
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["stop_reason"] == f"trained {epochs} epochs"
+    assert doc["samples"] == epochs * 1400  # the data order went on from the checkpoint's cursor
+    resumed_at = next(e for e in doc["events"] if e["kind"] == "resumed")
+    walls = [p["wall_s"] for p in doc["history"]]
+    samples = [p["samples"] for p in doc["history"]]
+    assert walls == sorted(walls) and samples == sorted(samples)  # one continuous history
+    assert any(p["wall_s"] < resumed_at["wall_s"] for p in doc["history"])
+    assert doc["final_accuracy"] >= 0.85, doc["history"]

@@ -241,6 +241,7 @@ class PipelineJob:
                                 group=exc.address) from None
             if self.durability.restore_on_start:  # --resume: the stages take the checkpoint's states
                 await self.durability.load_into(r, driver)
+                log.info("pipeline %d: every stage loaded its state from the checkpoint", r)
         self.runner.mark_started()
         self.runner.event(EVENT_GROUPS_PLACED, groups=addresses, split=split_text(self.groups))
         log.info("training %d pipeline(s) over %s", len(pipelines), addresses)
