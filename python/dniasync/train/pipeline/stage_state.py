@@ -8,7 +8,10 @@ loads such a state into a stage of the same layers: the layers and models
 take the saved values, the rule starts afresh around them (no batch kept,
 no micro-batch counted), so the stage is as it was when the state was taken
 with its pipeline drained. Names: ``layers.<key>``, ``opt.<param>.<key>``,
-``sg.<key>``, ``sg_opt.<param>.<key>``, ``input.<key>``, ``input_opt.<param>.<key>``.
+``sg.<key>``, ``sg_opt.<param>.<key>``, ``input.<key>``, ``input_opt.<param>.<key>``,
+and what else steers the updates: the SG model's running agreement with the
+true gradients (``sg_agreement``, which scales DNI's synthetic steps) and
+SpecTrain's measured version gaps (``version_gaps``).
 Plain tensors only: the remote codec and the checkpoint files carry them as raw bytes.
 """
 
@@ -94,6 +97,12 @@ def save_stage(stage: Stage) -> StageCheckpoint:
         if model is not None:
             out.update(_with_prefix(prefix, model))
             out.update(_optimizer_tensors(f"{prefix}_opt", model.optimizer))
+    sg = stage.rule.sg
+    if sg is not None:
+        out["sg_agreement"] = torch.tensor([sg._dot, sg._pred_sq, sg._target_sq], dtype=torch.float64)
+    gaps = getattr(stage.rule, "_gaps", None)  # SpecTrain's
+    if gaps is not None:
+        out["version_gaps"] = torch.tensor(list(gaps), dtype=torch.float64)
     return StageCheckpoint(stage.first_layer, len(stage.layers), list(out), list(out.values()))
 
 
@@ -118,6 +127,12 @@ def load_stage(stage: Stage, first_layer: int, names: list[str], tensors: list[t
             with torch.no_grad():
                 model.load_state_dict(_strip(prefix, saved))
             _load_optimizer(f"{prefix}_opt", model.optimizer, saved)
+    sg = stage.rule.sg
+    if sg is not None and "sg_agreement" in saved:
+        sg._dot, sg._pred_sq, sg._target_sq = (float(v) for v in saved["sg_agreement"])
+    gaps = getattr(stage.rule, "_gaps", None)
+    if gaps is not None and "version_gaps" in saved:
+        gaps.extend(int(v) for v in saved["version_gaps"])
     stage._sg_seen = stage._input_seen = 0  # positions in the old models' loss records
     stage._kept.clear()
     stage._parts_done.clear()
