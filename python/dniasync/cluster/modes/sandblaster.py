@@ -205,13 +205,15 @@ class _SandblasterJob:
         }
 
     def extra(self) -> dict[str, Any]:
+        b = self.board
         figures = {k: v for k, v in self._figures().items() if not (isinstance(v, float) and math.isnan(v))}
         loss = f"{figures['train_loss']:.5g}" if "train_loss" in figures else "-"
         figures["lbfgs"] = (  # the live page's line
             f"iteration {figures['iterations']} · training loss {loss} · {figures['evaluations']} batch gradients "
             f"({figures['line_search_evals']} in line searches) · {figures['portions_reissued']} portions reissued "
             f"({figures['backup_tasks']} backup tasks, {figures['duplicates_dropped']} duplicates dropped) · "
-            f"{figures['coordinator_bytes_per_iteration']:,.0f} coordinator bytes per iteration")
+            f"{figures['coordinator_bytes_per_iteration']:,.0f} coordinator bytes per iteration"
+            + (f" · sample {b.sample_size:,} examples" if self.config.schedule.kind != "fixed" else ""))
         return figures
 
     async def _params(self) -> np.ndarray:
@@ -307,7 +309,9 @@ class _Sandblaster:
                 f"{doc.get('line_search_evals', 0)} line-search evaluations)",
                 f"  portions reissued  {doc.get('portions_reissued', 0)} (backup tasks {doc.get('backup_tasks', 0)}, "
                 f"duplicates dropped {doc.get('duplicates_dropped', 0)})",
-                f"  coordinator bytes  {doc.get('coordinator_bytes_per_iteration', 0):,.0f} per iteration"]
+                f"  coordinator bytes  {doc.get('coordinator_bytes_per_iteration', 0):,.0f} per iteration",
+                *([f"  sample             {doc.get('sample_size', 0):,} examples (iteration:size "
+                   f"{doc['sample_sizes']})"] if "," in str(doc.get("sample_sizes", "")) else [])]
 
     def job(self, config: Config, runner: JobRunner) -> _SandblasterJob:
         return _SandblasterJob(config, runner)
