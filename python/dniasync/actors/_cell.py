@@ -92,6 +92,8 @@ class ActorCell(Supervisor):
         self.dropped = 0
         self._dispatch: dict[type, tuple[Callable[[Any], Any], bool]] = {}
         self._killed = False
+        self.context = contextvars.copy_context()
+        """The context the actor's task runs in; plain handlers run at delivery (:meth:`handle_now`) run in it too."""
         self.urgent: tuple[type, ...] = tuple(cls.urgent_messages)
 
     def is_urgent(self, msg: Any) -> bool:
@@ -146,6 +148,35 @@ class ActorCell(Supervisor):
             return await reply
         finally:
             handle.cancel()
+
+    def handle_now(self, msg: Any, reply: Any) -> bool:
+        """Handle ``msg`` at once if this actor is idle and its handler is plain (not ``async``).
+
+        Idle means the actor's task waits on an empty mailbox between two
+        messages, so handling ``msg`` here is what the task would do next:
+        one message at a time and arrival order hold. The handler runs in the
+        actor's context; its outcome goes where the task would send it (the
+        reply, or for a failed ``tell`` the supervisor, through the task,
+        before any later message). False (nothing done) otherwise.
+        """
+        mailbox = self.mailbox
+        if self.state is not RUNNING or not mailbox.consumer_waiting():
+            return False
+        try:
+            entry = self._dispatch.get(type(msg)) or self._resolve(type(msg))
+            if entry[1]:
+                return False
+            result = self.context.run(entry[0], msg)
+        except Exception as exc:
+            if reply is not None:
+                if not reply.done():
+                    reply.set_exception(exc)
+            else:
+                mailbox.put_control(_Control("fail", exc), front=True)  # the task recovers before anything else
+            return True
+        if reply is not None and not reply.done():
+            reply.set_result(result)
+        return True
 
     # -- control from outside ------------------------------------------------
     def request_stop(self, *, drain: bool) -> None:

@@ -113,6 +113,11 @@ class Mailbox:
                 fut.set_result(None)
         return item
 
+    def consumer_waiting(self) -> bool:
+        """True if the consumer waits in :meth:`get` on an empty mailbox (nobody woke it yet)."""
+        getter = self._getter
+        return getter is not None and not getter.done() and not self._items and not self._putters
+
     async def get(self) -> Any:
         while not self._items:
             getter: asyncio.Future[None] = self._loop.create_future()
