@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from ..actors import ActorNotFound, ActorStopped, ActorUnreachable, MailboxFull, UnhandledMessage
+from ..actors import ActorNotFound, ActorStopped, MailboxFull
 from . import _shm
 from ._codec import FLAG_SHM, OP_ASK, OP_FAIL, OP_PING, OP_REPLY, OP_SHM, OP_TELL, Decoder, Encoded, Frame, encode
-from ._errors import DecodeError, RemoteError
+from ._errors import DecodeError
+from ._pump import hook_parser, queue_has_news, take
+from ._reply import ReplySink
 
 if TYPE_CHECKING:
     from ._peer import Peer
@@ -28,53 +30,6 @@ WebSocket = web.WebSocketResponse | aiohttp.ClientWebSocketResponse
 _PING = encode(OP_PING, "", 0, None)
 _PING_STARTING = encode(OP_PING, "starting", 0, None)
 """The heartbeat of a node still starting up: its peers allow it ``startup_grace_s`` of silence."""
-
-
-def remote_error(address: str, remote_type: str, detail: str) -> Exception:
-    """The local exception for an error that a remote handler (or node) raised."""
-    if remote_type == "ActorNotFound":
-        return ActorNotFound(detail)
-    if remote_type == "ActorUnreachable":
-        return ActorUnreachable(address, detail)
-    if remote_type == "ActorStopped":
-        return ActorStopped(address, "stopped on its node")
-    if remote_type == "UnhandledMessage":
-        return UnhandledMessage(detail)
-    if remote_type == "DecodeError":
-        return DecodeError(f"{address}: the receiving node could not decode the message: {detail}", fatal=False)
-    return RemoteError(remote_type, detail, address)
-
-
-class ReplySink:
-    """Where a local handler's answer to a remote ask goes: straight onto the wire.
-
-    Quacks like the ``asyncio.Future`` an ``ActorCell`` expects as a reply,
-    but writes the reply when it is set instead of a loop iteration later.
-    """
-
-    __slots__ = ("peer", "corr", "_done")
-
-    def __init__(self, peer: Peer, corr: int) -> None:
-        self.peer = peer
-        self.corr = corr
-        self._done = False
-
-    def done(self) -> bool:
-        return self._done
-
-    def set_result(self, value: Any) -> None:
-        if not self._done:
-            self._done = True
-            self.peer.reply(self.corr, value, None)
-
-    def set_exception(self, exc: BaseException) -> None:
-        if not self._done:
-            self._done = True
-            self.peer.reply(self.corr, None, exc)
-
-    def cancel(self) -> bool:
-        self._done = True
-        return True
 
 
 class Connection:
@@ -108,6 +63,13 @@ class Connection:
         """This node's shared-memory ring for payloads to the peer; used once the peer accepted it."""
         self._ring_freed = asyncio.Event()
         self._shm_min = transport.settings.shm_min_bytes
+        self._queue: Any = None
+        """aiohttp's message queue of this websocket, once frames are handled as they are parsed."""
+        self._parked = False
+        """The read loop waits on ``_kick``: frames are handled where aiohttp parses them."""
+        self._kick = asyncio.Event()
+        self._rx_pause = False
+        self._rx_error: str | None = None
         self.sender: asyncio.Task[None] = transport.spawn_task(self._send_loop(), f"ws-send:{peer.node}")
         if transport.settings.shm and _shm.available():
             self._offer_ring()
@@ -332,35 +294,83 @@ class Connection:
             self.send_nowait(OP_PING, _PING_STARTING if self.transport.starting else _PING, bounded=False)
 
     # -- receiving ---------------------------------------------------------------
+    def _pump(self) -> None:
+        """Handle the binary messages at the head of aiohttp's queue; wake the read loop for the rest."""
+        if not self._parked:
+            return
+        queue = self._queue
+        buffer = queue._buffer
+        binary = aiohttp.WSMsgType.BINARY
+        try:
+            while buffer and not self.closed:
+                if buffer[0][0].type is not binary:
+                    break
+                if self._on_binary(take(queue).data):
+                    self._rx_pause = True
+                    break
+        except DecodeError as exc:
+            self._rx_error = self._protocol_error(exc)
+        except Exception as exc:  # a bug must cost this connection, not aiohttp's protocol
+            log.exception("connection to %s failed", self.peer.node)
+            self._rx_error = f"internal error: {exc!r}"
+        if self._rx_pause or self._rx_error is not None or self.closed or queue_has_news(queue):
+            self._parked = False
+            self._kick.set()
+
+    def _protocol_error(self, exc: DecodeError) -> str:
+        self.transport.counters.decode_errors += 1
+        log.warning("closing connection to %s: %s", self.peer.node, exc)
+        return f"protocol error: {exc}"
+
+    def _on_binary(self, data: bytes) -> bool:
+        """One binary websocket message; True if reading must pause until a full mailbox has room."""
+        self.last_rx = self.loop.time()
+        counters = self.transport.counters
+        counters.bytes_in += len(data)
+        frame = self.decoder.feed(data)
+        if data[2] & FLAG_SHM:
+            counters.shm_frames_in += 1
+            ring = self.decoder.ring
+            if ring is not None and ring.ack_due():
+                self._release(ring)
+        if frame is None:
+            return False
+        counters.frames_in += 1
+        return self._dispatch(frame)
+
     async def read_loop(self) -> None:
         """Read this websocket until it closes; the only reader of it."""
         ws = self.ws
         counters = self.transport.counters
-        feed, dispatch, now = self.decoder.feed, self._dispatch, self.loop.time
+        on_binary = self._on_binary
         binary = aiohttp.WSMsgType.BINARY
         reason = "closed by peer"
+        self._queue = hook_parser(self.ws, self._pump)
+        direct = self._queue is not None
         try:
             while True:
+                if direct and not queue_has_news(self._queue):
+                    if self.closed:
+                        break
+                    self._kick.clear()
+                    self._parked = True
+                    try:
+                        await self._kick.wait()
+                    finally:
+                        self._parked = False
+                    if self._rx_error is not None:
+                        reason = self._rx_error
+                        break
+                    if self._rx_pause:
+                        self._rx_pause = False
+                        await self._room.wait()  # a full mailbox: stop reading, backpressure to the sender
+                    continue
                 msg = await ws.receive()
                 if msg.type is binary:
-                    data: bytes = msg.data
-                    self.last_rx = now()
-                    counters.bytes_in += len(data)
                     try:
-                        frame = feed(data)
-                        if data[2] & FLAG_SHM:
-                            counters.shm_frames_in += 1
-                            ring = self.decoder.ring
-                            if ring is not None and ring.ack_due():
-                                self._release(ring)
-                        if frame is None:
-                            continue
-                        counters.frames_in += 1
-                        pause = dispatch(frame)
+                        pause = on_binary(msg.data)
                     except DecodeError as exc:
-                        counters.decode_errors += 1
-                        reason = f"protocol error: {exc}"
-                        log.warning("closing connection to %s: %s", self.peer.node, exc)
+                        reason = self._protocol_error(exc)
                         break
                     if pause:
                         await self._room.wait()  # a full mailbox: stop reading, backpressure to the sender
@@ -383,6 +393,7 @@ class Connection:
             log.exception("connection to %s failed", self.peer.node)
             reason = f"internal error: {exc!r}"
         finally:
+            self._parked = False
             self.transport.connection_lost(self, reason)
             await self.close()
 
@@ -459,6 +470,7 @@ class Connection:
         self.closed = True
         self._space.set()
         self._ring_freed.set()
+        self._kick.set()
         self.sender.cancel()
         ring, self.ring = self.ring, None
         if ring is not None:
@@ -474,3 +486,4 @@ class Connection:
             await self.ws.close(code=code, message=message)
         except Exception as exc:  # already broken: nothing more to say to it
             log.debug("closing websocket to %s: %r", self.peer.node, exc)
+

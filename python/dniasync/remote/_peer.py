@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 from ..actors import ActorUnreachable, AskTimeout, MailboxFull
 from ._codec import OP_ASK, OP_FAIL, OP_REPLY, OP_TELL, Encoded, Frame, encode
-from ._connection import Connection, remote_error
+from ._connection import Connection
+from ._reply import remote_error
 
 if TYPE_CHECKING:
     from ._transport import WebSocketTransport
