@@ -142,7 +142,7 @@ def test_conv_synthetic_gradient_is_zero_before_training_and_learns(num_classes:
 
 @pytest.mark.parametrize(("rule", "optimizer", "momentum"),
                          [("sync", "adam", 0.0), ("async", "sgd", 0.9), ("stash", "sgd", 0.9),
-                          ("spectrain", "sgd", 0.9), ("spectrain", "adam", 0.0)])
+                          ("spectrain", "sgd", 0.9), ("spectrain", "adam", 0.0), ("spectrain_stash", "sgd", 0.9)])
 async def test_cnn_pipeline_with_one_batch_in_flight_reproduces_backprop(
     digits: tuple[torch.Tensor, torch.Tensor], rule: str, optimizer: str, momentum: float
 ) -> None:

@@ -28,7 +28,7 @@ torch.set_num_threads(1)
 
 BEFORE = [[0, 1, 2, 3], [4]]
 AFTER = [[0, 1], [2, 3, 4]]
-RULES = ["sync", "async", "stash", "spectrain", "dni", "cdni"]
+RULES = ["sync", "async", "stash", "spectrain", "spectrain_stash", "dni", "cdni"]
 
 
 def mlp(seed: int) -> nn.Sequential:

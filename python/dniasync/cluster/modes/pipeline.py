@@ -31,7 +31,7 @@ __all__ = ["PIPELINE", "PipelineConfig"]
 
 LOCAL_OPTIMIZERS = ("adam", "sgd", "momentum")
 _SG_KEYS = ("synthetic_inputs", "sg_hidden_layers", "sg_hidden_width", "sg_lr", "sg_fit_rows")
-_ASYNC_METHODS = ("dni", "cdni", "async", "stash", "spectrain")
+_ASYNC_METHODS = ("dni", "cdni", "async", "stash", "spectrain", "spectrain_stash")
 _BUILTIN_FEATURES = {"mnist5k": 784, "digits": 64}
 """Values per example of the built-in data sets (flat), so a cut is probed before any data is loaded."""
 
@@ -46,11 +46,13 @@ class PipelineConfig(Section, frozen=True):
     groups: Annotated[tuple[tuple[int, ...], ...], Meta(description=(
         "layer indices of the `nn.Sequential` per stage, e.g. `[[0, 1], [2, 3], [4]]`; contiguous, ordered, every "
         "layer in exactly one stage"))]
-    method: Annotated[Literal["cdni", "dni", "sync", "async", "stash", "spectrain"], Meta(description=(
+    method: Annotated[Literal["cdni", "dni", "sync", "async", "stash", "spectrain", "spectrain_stash"], Meta(description=(
         "`dni` (synthetic gradients), `cdni` (synthetic gradients conditioned on the labels), `sync` (the "
         "synchronous pipeline baseline: real backprop, GPipe-style micro-batches), or an asynchronous 1F1B pipeline "
         "with real gradients, each stage updating as a batch's gradient returns: `async` (no correction), `stash` "
-        "(PipeDream weight stashing) or `spectrain` (SpecTrain weight prediction; optimizer `momentum` or `adam`)"))
+        "(PipeDream weight stashing), `spectrain` (SpecTrain weight prediction; optimizer `momentum` or `adam`) "
+        "or `spectrain_stash` (SpecTrain's forward, then that forward's own graph back-propagated: the gradient at the "
+        "predicted weights, no second forward, one weight copy per batch in flight)"))
     ] = "cdni"
     synthetic_inputs: Annotated[bool, Meta(description=(
         "stages after the first also learn to predict their input from the raw data"))] = False
@@ -134,7 +136,7 @@ class _Pipeline:
         if config.regroup.enabled and len(p.groups) < 2:
             raise ConfigError("'regroup.enabled' needs at least 2 stages in pipeline.groups", "regroup.enabled")
         if p.replicas > 1:
-            if p.method == "spectrain":
+            if p.method.startswith("spectrain"):
                 raise ConfigError("'pipeline.method' spectrain predicts from each stage's own optimizer: it needs "
                                   "pipeline.replicas = 1", "pipeline.method")
             return
@@ -143,7 +145,7 @@ class _Pipeline:
             raise ConfigError(
                 f"'optimizer.name' is {opt.name!r}; stages train with {', '.join(map(repr, LOCAL_OPTIMIZERS))} "
                 "(any optimizer with pipeline.replicas > 1, where PS shards apply it)", "optimizer.name")
-        if p.method == "spectrain" and opt.name == "sgd":
+        if p.method.startswith("spectrain") and opt.name == "sgd":
             raise ConfigError("'optimizer.name' is 'sgd'; spectrain predicts with the momentum: use 'momentum' "
                               "(SGD with momentum, as in the paper) or 'adam'", "optimizer.name")
         for key in ("weight_decay", "betas", "eps"):

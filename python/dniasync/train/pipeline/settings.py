@@ -19,10 +19,12 @@ class StageSettings:
     the asynchronous pipelines with real gradients (1F1B, many batches in
     flight, each stage updates when a batch's gradient returns): ``"async"``
     (no correction), ``"stash"`` (PipeDream weight stashing) and
-    ``"spectrain"`` (SpecTrain weight prediction).
+    ``"spectrain"`` (SpecTrain weight prediction) and ``"spectrain_stash"`` (its
+    forward, back-propagated through its own graph on the predicted weights).
     ``cache_size`` bounds the batches a stage keeps while their gradient is on
     its way back (DNI: outputs for SG training; sync: graphs; async, stash and
-    spectrain: inputs, and stash its weight versions).
+    spectrain: inputs, and stash its weight versions; spectrain_stash: graphs
+    and predicted weights).
     ``momentum``: SGD's momentum (SpecTrain predicts with the momentum buffer).
     ``max_in_flight``: the batches the driver keeps in flight, SpecTrain's prior
     for a stage's version gap until it has measured it.

@@ -13,7 +13,7 @@ from ..settings import StageSettings, StageShape
 from .base import NOTHING, Kept, Outcome, StageContext, UpdateRule
 from .dni import CDNIRule, DNIRule
 from .gpipe import GPipeRule
-from .real import AsyncRule, SpecTrainRule, StashRule
+from .real import AsyncRule, SpecTrainRule, SpecTrainStashRule, StashRule
 
 __all__ = [
     "NOTHING",
@@ -25,6 +25,7 @@ __all__ = [
     "Kept",
     "Outcome",
     "SpecTrainRule",
+    "SpecTrainStashRule",
     "StageContext",
     "StashRule",
     "UpdateRule",
@@ -39,6 +40,7 @@ RULES: Final[dict[str, type[UpdateRule]]] = {
     "async": AsyncRule,
     "stash": StashRule,
     "spectrain": SpecTrainRule,
+    "spectrain_stash": SpecTrainStashRule,
 }
 
 

@@ -16,7 +16,12 @@ rules differ in the weights a batch meets:
   weights. The copies cost memory, reported per stage.
 - ``spectrain`` (:class:`SpecTrainRule`, Chen et al. 2018): the forward meets
   the weights predicted for its gradient's return, ``Ŵ = W − s·lr·v``; the
-  backward meets the current weights.
+  backward meets the current weights (the forward runs again on them).
+- ``spectrain_stash`` (:class:`SpecTrainStashRule`, ours): the same forward
+  on ``Ŵ``, and the batch's own graph back-propagated, as ``stash`` does: the
+  gradient at the predicted weights rather than at the current ones, which
+  differ by the prediction error, for no second forward. Each batch in flight
+  keeps its ``Ŵ`` (reported as stash bytes).
 
 SpecTrain measures its prediction on one batch in :data:`PROBE_EVERY` (two
 weight copies while it is in flight): when the batch's gradient is back it
@@ -62,7 +67,16 @@ from ..protocol import Forward, Gradient
 from ..settings import StageSettings, StageShape
 from .base import Kept, Outcome, StageContext, TrueGradientRule
 
-__all__ = ["GAP_WINDOW", "PROBE_EVERY", "AsyncRule", "SpecTrainRule", "StashRule", "predict_weights", "prior_gap"]
+__all__ = [
+    "GAP_WINDOW",
+    "PROBE_EVERY",
+    "AsyncRule",
+    "SpecTrainRule",
+    "SpecTrainStashRule",
+    "StashRule",
+    "predict_weights",
+    "prior_gap",
+]
 
 GAP_WINDOW: Final = 32
 """SpecTrain predicts with the mean version gap of this many recent batches."""
@@ -284,9 +298,8 @@ class SpecTrainRule(_RealGradientRule):
             return None
         if not isinstance(stage.params, LocalOptimizer):
             raise RuntimeError("spectrain predicts from the stage's own optimizer: it needs pipeline.replicas = 1")
-        # one set of buffers: a batch's forward is done with its prediction before the next one's is made
         optimizer = stage.params.optimizer
-        predicted = await stage.run_blocking(predict_weights, stage.layers, optimizer, gap, self._predicted)
+        predicted = await stage.run_blocking(predict_weights, stage.layers, optimizer, gap, self._buffers(msg))
         self._forwards += 1
         if self._probe is None and self._forwards % PROBE_EVERY == 0:
             with torch.no_grad():
@@ -295,10 +308,18 @@ class SpecTrainRule(_RealGradientRule):
             self._probe = (msg.batch_id, kept, now)
         return predicted
 
-    async def on_gradient(self, stage: StageContext, kept: Kept, msg: Gradient) -> Outcome:
+    def _buffers(self, msg: Forward) -> dict[str, torch.Tensor]:
+        """Where batch ``msg``'s prediction goes: one set of buffers, since a batch's forward is done with its
+        prediction before the next one's is made."""
+        return self._predicted
+
+    def _returned(self, stage: StageContext, kept: Kept, batch_id: int) -> None:
         self._gaps.append(stage.steps - kept.at_step)
-        if self._probe is not None and self._probe[0] == msg.batch_id:
+        if self._probe is not None and self._probe[0] == batch_id:
             self._measure(stage.layers, *self._probe[1:])
+
+    async def on_gradient(self, stage: StageContext, kept: Kept, msg: Gradient) -> Outcome:
+        self._returned(stage, kept, msg.batch_id)
         return await super().on_gradient(stage, kept, msg)
 
     def on_late_gradient(self, batch_id: int) -> Outcome:
@@ -334,3 +355,60 @@ def forward_with(layers: nn.Module, weights: Mapping[str, torch.Tensor] | None, 
     else:
         out = functional_call(layers, dict(weights), (x,))
     return out
+
+
+class SpecTrainStashRule(SpecTrainRule):
+    """SpecTrain's forward on the predicted weights, and that forward's own graph back-propagated (no recompute).
+
+    Each batch gets its own copy of ``Ŵ`` (the graph holds it until the
+    gradient is back), so the gradient is the one at the weights predicted
+    for its return; the step applies it to the current weights. The last
+    stage, whose loss gives the gradient at once, runs on its own weights.
+    """
+
+    recomputes: ClassVar[bool] = False
+
+    def __init__(self, settings: StageSettings, shape: StageShape) -> None:
+        super().__init__(settings, shape)
+        self._held: dict[int, dict[str, torch.Tensor]] = {}
+        self._bytes = 0
+        self._peak_bytes = 0
+
+    def _buffers(self, msg: Forward) -> dict[str, torch.Tensor]:
+        return {}  # fresh: the batch's graph keeps them
+
+    async def forward_weights(self, stage: StageContext, msg: Forward) -> Mapping[str, torch.Tensor] | None:
+        if stage.last:
+            return None
+        predicted = await super().forward_weights(stage, msg)
+        if predicted is None:  # no gap measured: the current weights, copied, since steps may come before the return
+            with torch.no_grad():
+                predicted = {n: p.detach().clone() for n, p in stage.layers.named_parameters()}
+        weights = {n: t.requires_grad_(True) for n, t in predicted.items()}
+        self._held[msg.batch_id] = weights
+        self._bytes += sum(t.numel() * t.element_size() for t in weights.values())
+        self._peak_bytes = max(self._peak_bytes, self._bytes)
+        return weights
+
+    after_forward = TrueGradientRule.after_forward  # the graph is kept: it holds the batch's own Ŵ
+
+    def _release(self, batch_id: int) -> None:
+        weights = self._held.pop(batch_id, None)
+        if weights is not None:
+            self._bytes -= sum(t.numel() * t.element_size() for t in weights.values())
+
+    async def on_gradient(self, stage: StageContext, kept: Kept, msg: Gradient) -> Outcome:
+        self._returned(stage, kept, msg.batch_id)
+        weights = self._held.get(msg.batch_id)
+        if weights is None:  # a stage that kept no prediction (the last) has no gradient coming back
+            raise RuntimeError(f"spectrain_stash: no predicted weights kept for batch {msg.batch_id}")
+        grad_in = await stage.run_blocking(StashRule._stashed_backward, stage, kept, weights, msg.gradient)
+        self._release(msg.batch_id)
+        return Outcome("update", upstream=grad_in, done=True)
+
+    def on_late_gradient(self, batch_id: int) -> Outcome:
+        self._release(batch_id)
+        return super().on_late_gradient(batch_id)
+
+    def stash_bytes(self) -> tuple[int, int]:
+        return self._bytes, self._peak_bytes
