@@ -59,6 +59,10 @@ class RemoteSettings:
     payloads up to half of it go through it, bigger ones and overflow take the socket."""
     shm_min_bytes: int = 64 << 10
     """Payloads smaller than this stay on the socket (a copy through the ring would not pay)."""
+    unix: bool = True
+    """Between two nodes on one host, carry the websocket over a Unix socket (an abstract name the
+    node offers in its challenge with its host identity; used when the dialer finds the same host and
+    can reach it, else TCP; the same upgrade and proof either way)."""
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:

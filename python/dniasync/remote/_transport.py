@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import random
 import secrets
@@ -15,15 +14,17 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from ..actors import ActorNotFound, ActorRef, ActorStopped, ActorSystem, split_address
+from ..actors import ActorNotFound, ActorRef, ActorSystem, split_address
+from ._addresses import DeadDestination, is_loopback, parse_hostport
 from ._auth import Authenticator
 from ._connection import Connection, WebSocket
 from ._guard import ConnectionGuard, GuardedSite
 from ._latency import AskLatency
 from ._peer import DOWN, NEW, UP, Peer, RemoteDestination, expire_asks
 from ._settings import RemoteCounters, RemoteSettings
+from ._unix import AbstractUnixConnector, listen_socket, offer, offered_name
 
-__all__ = ["PeerListener", "WebSocketTransport", "parse_hostport"]
+__all__ = ["PeerListener", "WebSocketTransport", "is_loopback", "parse_hostport"]
 
 log = logging.getLogger("dniasync.remote")
 
@@ -37,52 +38,12 @@ H_PROOF = "X-Dniasync-Proof"
 H_STARTING = "X-Dniasync-Starting"
 
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
-_NOT_IN_HOST = frozenset("/?#@\\ \t\r\n%")
 
 ASK_TICK_S = 0.02
 """How often pending remote asks are checked against their deadlines."""
 
 PeerListener = Callable[[str, bool, str], None]
 """Called with (node, up, reason) when a peer comes up or goes down."""
-
-
-def parse_hostport(text: str) -> tuple[str, int]:
-    """``"host:port"`` (``[v6]:port`` for IPv6) -> ``(host, port)``; ``ValueError`` if malformed."""
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(f"expected HOST:PORT, got {text!r}")
-    if any(c in _NOT_IN_HOST for c in host) or len(host) > 255:
-        raise ValueError(f"not a host name: {host!r}")
-    return host.strip("[]"), int(port_text)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-class _DeadDestination:
-    """A ref to a local actor that is no longer running (received inside a message)."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-
-    @property
-    def alive(self) -> bool:
-        return False
-
-    async def ask(self, msg: Any, timeout: float | None) -> Any:
-        raise ActorStopped(self.address)
-
-    async def tell(self, msg: Any) -> None:
-        raise ActorStopped(self.address)
-
-    def tell_nowait(self, msg: Any) -> None:
-        raise ActorStopped(self.address)
 
 
 class WebSocketTransport:
@@ -144,6 +105,10 @@ class WebSocketTransport:
         self._connections: set[Connection] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._closing = False
+        self.unix_site: GuardedSite | None = None
+        """The same-host listener (an abstract Unix socket), if ``settings.unix`` and the OS has one."""
+        self._unix_offer: dict[str, Any] = {}
+        self._unix_sessions: dict[str, aiohttp.ClientSession] = {}
 
     # -- lifecycle -------------------------------------------------------------------
     async def __aenter__(self) -> WebSocketTransport:
@@ -178,6 +143,11 @@ class WebSocketTransport:
         )
         await self._runner.setup()
         await GuardedSite(self._runner, sock, self.guard).start()
+        unix = listen_socket() if self.settings.unix else None
+        if unix is not None:
+            self.unix_site = GuardedSite(self._runner, unix, self.guard)
+            await self.unix_site.start()
+            self._unix_offer = offer(unix)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=5.0))
         self.spawn_task(self._watch(), "ws-heartbeat")
         log.info("node %s listening (incarnation %s)", self.address, self.incarnation)
@@ -210,6 +180,8 @@ class WebSocketTransport:
         await asyncio.gather(*(conn.close() for conn in list(self._connections)))
         if self._session is not None:
             await self._session.close()
+        for session in self._unix_sessions.values():
+            await session.close()
         if self._runner is not None:
             await self._runner.cleanup()
         for task in list(self._tasks):
@@ -236,7 +208,7 @@ class WebSocketTransport:
             return self.system.ref(address)
         except ActorNotFound:
             if "@" in address and split_address(address)[1] == self.address:
-                return ActorRef(address, _DeadDestination(address))
+                return ActorRef(address, DeadDestination(address))
             raise
 
     # -- peers -------------------------------------------------------------------------
@@ -350,7 +322,11 @@ class WebSocketTransport:
         base = f"http://{peer.node}"
         client_nonce = Authenticator.client_nonce()
         timeout = aiohttp.ClientTimeout(total=self.settings.connect_timeout_s)
-        async with self._session.get(base + CHALLENGE_PATH, params={"cn": client_nonce}, timeout=timeout) as resp:
+        # the websocket may go through the peer's Unix socket: then nothing reuses this TCP connection
+        close = {"Connection": "close"} if self.settings.unix else None
+        async with self._session.get(
+            base + CHALLENGE_PATH, params={"cn": client_nonce}, timeout=timeout, headers=close
+        ) as resp:
             if resp.status != 200:
                 raise PermissionError(f"challenge refused by {peer.node}: HTTP {resp.status}")
             challenge = await resp.json()
@@ -373,8 +349,7 @@ class WebSocketTransport:
             headers[H_PROOF] = self.auth.client_proof(
                 server_nonce, client_nonce, self.address, server_node, self.incarnation
             )
-        ws = await self._session.ws_connect(
-            base + WS_PATH,
+        options: dict[str, Any] = dict(
             headers=headers,
             max_msg_size=self.settings.limits.max_ws_message,
             compress=0,
@@ -382,9 +357,26 @@ class WebSocketTransport:
             heartbeat=None,
             timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=self.settings.close_timeout_s),
         )
+        unix = offered_name(challenge) if self.settings.unix else None
+        ws = None
+        if unix is not None:
+            try:  # the same host: the websocket through the node's Unix socket, same upgrade, same proof
+                ws = await self._unix_session(unix).ws_connect(base + WS_PATH, **options)
+            except aiohttp.ClientConnectorError as exc:  # another network namespace, or no longer listening
+                log.debug("%s offered a Unix socket this node cannot reach (%s): TCP", peer.node, exc)
+        if ws is None:
+            ws = await self._session.ws_connect(base + WS_PATH, **options)
         conn = self._adopt(peer.node, incarnation, ws, dialer=self.address)
         conn.peer_starting = peer_starting
         self.spawn_task(self._read(conn), f"ws-read:{peer.node}")
+
+    def _unix_session(self, name: str) -> aiohttp.ClientSession:
+        session = self._unix_sessions.get(name)
+        if session is None or session.closed:
+            session = self._unix_sessions[name] = aiohttp.ClientSession(
+                connector=AbstractUnixConnector(path=name), timeout=aiohttp.ClientTimeout(total=None, connect=5.0)
+            )
+        return session
 
     async def _read(self, conn: Connection) -> None:
         try:
@@ -507,6 +499,7 @@ class WebSocketTransport:
             body["starting"] = True
         if self.auth.enabled:
             body["proof"] = self.auth.server_proof(client_nonce, nonce, self.address)
+        body.update(self._unix_offer)
         return web.json_response(body)
 
     async def _handle_ws(self, request: web.Request) -> web.StreamResponse:
