@@ -72,3 +72,21 @@ async def test_the_unix_socket_asks_for_the_same_proof_as_tcp() -> None:
                 await session.ws_connect(f"http://{node.address}/dniasync/ws", headers=headers)
         assert refused.value.status == 403
         assert node.counters.auth_failures == failures + 1
+
+
+async def test_a_node_behind_a_tcp_proxy_stays_behind_it() -> None:
+    """A fault proxy in front of a node must keep carrying the link (chaos depends on it): the
+    challenge came through a connection whose ends are not the ones the node saw."""
+    from dniasync.chaos import FaultProxy
+
+    async with ActorSystem() as server, WebSocketTransport(server) as node:
+        await server.spawn(Doubler, name="d")
+        proxy = FaultProxy("d", node.address)
+        await proxy.start()
+        try:
+            async with ActorSystem() as client, WebSocketTransport(client) as dialer:
+                ref = client.ref(f"d@{proxy.address}")
+                assert await ref.ask(Twice(4)) == 8
+                assert _families(dialer) == [socket.AF_INET]
+        finally:
+            await proxy.close()

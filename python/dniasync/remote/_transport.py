@@ -22,7 +22,7 @@ from ._guard import ConnectionGuard, GuardedSite
 from ._latency import AskLatency
 from ._peer import DOWN, NEW, UP, Peer, RemoteDestination, expire_asks
 from ._settings import RemoteCounters, RemoteSettings
-from ._unix import AbstractUnixConnector, listen_socket, offer, offered_name
+from ._unix import AbstractUnixConnector, listen_socket, offer, offered_name, socket_name
 
 __all__ = ["PeerListener", "WebSocketTransport", "is_loopback", "parse_hostport"]
 
@@ -107,7 +107,7 @@ class WebSocketTransport:
         self._closing = False
         self.unix_site: GuardedSite | None = None
         """The same-host listener (an abstract Unix socket), if ``settings.unix`` and the OS has one."""
-        self._unix_offer: dict[str, Any] = {}
+        self._unix_name: str | None = None
         self._unix_sessions: dict[str, aiohttp.ClientSession] = {}
 
     # -- lifecycle -------------------------------------------------------------------
@@ -147,7 +147,7 @@ class WebSocketTransport:
         if unix is not None:
             self.unix_site = GuardedSite(self._runner, unix, self.guard)
             await self.unix_site.start()
-            self._unix_offer = offer(unix)
+            self._unix_name = socket_name(unix)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=5.0))
         self.spawn_task(self._watch(), "ws-heartbeat")
         log.info("node %s listening (incarnation %s)", self.address, self.incarnation)
@@ -330,6 +330,7 @@ class WebSocketTransport:
             if resp.status != 200:
                 raise PermissionError(f"challenge refused by {peer.node}: HTTP {resp.status}")
             challenge = await resp.json()
+        unix = offered_name(challenge, parse_hostport(peer.node)) if self.settings.unix else None
         server_nonce, server_node = str(challenge["nonce"]), str(challenge["node"])
         incarnation = str(challenge["incarnation"])
         peer_starting = challenge.get("starting") is True
@@ -357,7 +358,6 @@ class WebSocketTransport:
             heartbeat=None,
             timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=self.settings.close_timeout_s),
         )
-        unix = offered_name(challenge) if self.settings.unix else None
         ws = None
         if unix is not None:
             try:  # the same host: the websocket through the node's Unix socket, same upgrade, same proof
@@ -499,7 +499,8 @@ class WebSocketTransport:
             body["starting"] = True
         if self.auth.enabled:
             body["proof"] = self.auth.server_proof(client_nonce, nonce, self.address)
-        body.update(self._unix_offer)
+        if self._unix_name is not None:
+            body.update(offer(self._unix_name, request.transport))
         return web.json_response(body)
 
     async def _handle_ws(self, request: web.Request) -> web.StreamResponse:

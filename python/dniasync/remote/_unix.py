@@ -21,7 +21,7 @@ from aiohttp.connector import UnixConnector
 
 from ._shm import host_identity
 
-__all__ = ["AbstractUnixConnector", "listen_socket", "offer", "offered_name"]
+__all__ = ["AbstractUnixConnector", "listen_socket", "offer", "offered_name", "socket_name"]
 
 
 def listen_socket() -> socket.socket | None:
@@ -37,18 +37,34 @@ def listen_socket() -> socket.socket | None:
     return sock
 
 
-def offer(sock: socket.socket) -> dict[str, Any]:
-    """What the challenge says about the Unix socket: its name and this host's identity."""
+def socket_name(sock: socket.socket) -> str:
     name = sock.getsockname()
-    return {"unix": name.decode() if isinstance(name, bytes) else name, "host": list(host_identity())}
+    return name.decode() if isinstance(name, bytes) else str(name)
 
 
-def offered_name(challenge: dict[str, Any]) -> str | None:
-    """The abstract socket a challenge offers, if the node that sent it runs on this host."""
+def offer(name: str, transport: Any) -> dict[str, Any]:
+    """What a challenge answered on ``transport`` says about the Unix socket ``name``: the name, this
+    host's identity, and the TCP address the challenge arrived at."""
+    local = transport.get_extra_info("sockname") if transport is not None else None
+    if not (isinstance(local, tuple) and len(local) >= 2):
+        return {}
+    return {
+        "unix": name,
+        "host": list(host_identity()),
+        "tcp": [str(local[0]), int(local[1])],
+    }
+
+
+def offered_name(challenge: dict[str, Any], dialed: tuple[str, int]) -> str | None:
+    """The abstract socket a challenge offers, if the node that sent it runs on this host and the
+    challenge came straight from it: it arrived at the address this node dialed, so no proxy sits
+    between them (a fault proxy must keep carrying the link). Else None: TCP."""
     name = challenge.get("unix")
     if type(name) is not str or not name.startswith("\0dniasync-") or len(name) > 64:
         return None
-    return name if challenge.get("host") == list(host_identity()) else None
+    if challenge.get("host") != list(host_identity()):
+        return None
+    return name if challenge.get("tcp") == [dialed[0], dialed[1]] else None
 
 
 class AbstractUnixConnector(UnixConnector):
