@@ -4,8 +4,10 @@ Run: python benchmarks/bench_remote.py [--quick] [--profile]
 
 - small ask: sequential request/reply round trips per second between two
   processes. dniasync (an ``Echo`` actor in a ``python -m dniasync.node``
-  process, asked from this one) vs a bare aiohttp websocket echo (the floor:
-  same library, same loop, no actors, no codec) vs a Ray actor method call.
+  process, asked from this one; over the same-host Unix socket, the default
+  between two nodes on one host, and over TCP with ``RemoteSettings(unix=False)``)
+  vs a bare aiohttp websocket echo over TCP (the floor: same library, same
+  loop, no actors, no codec) vs a Ray actor method call.
 - tensor throughput: one-way 4 MiB float32 tensors from this process to the
   other, until the receiver has handled them all. dniasync ``tell`` through
   the same-host shared-memory ring (the default between two processes on one
@@ -16,7 +18,8 @@ Ray is installed for the benchmark only (``pip install ray``); without it
 that row is skipped. ``--profile`` also writes where the time of an ask goes
 (cProfile of both ends in one process) to results/bench_remote_profile.txt.
 The metrics-on ask times every ask into the latency histogram and scrapes
-both nodes meanwhile. Ratios (bigger is better): ask_vs_bare_ws, ask_vs_ray,
+both nodes meanwhile. Ratios (bigger is better): ask_vs_bare_ws (same-host
+link), ask_tcp_vs_bare_ws, ask_vs_ray,
 tensor_throughput_vs_gloo (shared memory), tensor_socket_throughput_vs_gloo,
 remote_ask_metrics_on_vs_off.
 """
@@ -37,6 +40,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -84,8 +88,8 @@ def dniasync_node() -> list[str]:
 # -- small asks --------------------------------------------------------------------------
 
 
-async def dniasync_ask(address: str, n: int) -> float:
-    async with ActorSystem() as system, WebSocketTransport(system):
+async def dniasync_ask(address: str, n: int, unix: bool = True) -> float:
+    async with ActorSystem() as system, WebSocketTransport(system, settings=RemoteSettings(unix=unix)):
         echo = system.ref(f"echo@{address}")
         msg = Ping(1)
         for _ in range(200):
@@ -308,9 +312,53 @@ async def _both_ends(n_ask: int, n_tensor: int) -> None:
             await sink.ask(Ping(0))
 
 
+# (label, test on "file:function") in order: the first that matches takes a function's own time
+_PROFILE_GROUPS: list[tuple[str, Any]] = [
+    ("socket writes (aiohttp frame write, kernel loopback)", lambda f: f.endswith("writer.py:_write_websocket_frame")),
+    ("event loop (uvloop's own work)", lambda f: f.endswith("runners.py:run")),
+    ("decode and validation", lambda f: f.startswith(("_codec.py:feed", "_codec.py:_finish", "_codec.py:_ext",
+                                                      "_codec.py:_tensor", "_codec.py:message", "_validate.py:"))
+     or "unpackb" in f or "unpack_from" in f),
+    ("encode", lambda f: f.startswith(("_codec.py:encode", "_codec.py:pack", "_codec.py:single", "_codec.py:_layout",
+                                       "_codec.py:__init__", "_codec.py:__call__", "_codec.py:in_ring"))
+     or "method 'pack'" in f),
+    ("aiohttp parse and send path", lambda f: f.split(":")[0] in {"web_protocol.py", "client_proto.py", "web_ws.py",
+                                                                  "client_ws.py", "writer.py", "_pump.py", "_guard.py"}),
+    ("shared-memory copies", lambda f: f.startswith("_shm.py:")),
+]
+
+
+def _profile_summary(stats: pstats.Stats, n: int) -> str:
+    """Own time per group of functions, as a share of the whole and in microseconds per operation."""
+    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
+    totals: dict[str, float] = {}
+    whole = 0.0
+    for (path, _, func), (_, _, tottime, _, _) in raw.items():
+        key = f"{Path(path).name}:{func}"
+        group = next((label for label, test in _PROFILE_GROUPS if test(key)), "dispatch, actors, futures, the rest")
+        totals[group] = totals.get(group, 0.0) + tottime
+        whole += tottime
+    rows = [f"  {share / whole:5.1%}  {1e6 * share / max(n, 1):7.1f} us  {label}"
+            for label, share in sorted(totals.items(), key=lambda kv: -kv[1])]
+    return "\n".join(["  share   per op    where (own time, under cProfile)", *rows]) + "\n"
+
+
+def _cpu_per_ask(n: int) -> float:
+    """CPU seconds per small ask, both ends in one process, without a profiler (best of 3)."""
+    best = float("inf")
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(_both_ends(200, 0))
+        for _ in range(3):
+            start = time.process_time()
+            runner.run(_both_ends(n, 0))
+            best = min(best, (time.process_time() - start) / n)
+    return best
+
+
 def profile(n_ask: int, n_tensor: int) -> str:
-    """cProfile of both ends in one process: asks, then 4 MiB tells."""
+    """cProfile of both ends in one process: asks, then 4 MiB tells; a summary by group first."""
     out = io.StringIO()
+    out.write(f"CPU per small ask, both ends in one process, no profiler: {1e6 * _cpu_per_ask(n_ask):.1f} us\n\n")
     for label, args in (("small asks", (n_ask, 0)), ("4 MiB tensor tells", (0, n_tensor))):
         profiler = cProfile.Profile()
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
@@ -318,7 +366,9 @@ def profile(n_ask: int, n_tensor: int) -> str:
             runner.run(_both_ends(*args))
             profiler.disable()
         out.write(f"=== {label}: {args} ===\n")
-        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(20)
+        stats = pstats.Stats(profiler, stream=out)
+        out.write(_profile_summary(stats, max(args)))
+        stats.sort_stats("tottime").print_stats(20)
     return out.getvalue()
 
 
@@ -346,12 +396,13 @@ def main() -> None:
     logging.getLogger("dniasync").setLevel(logging.ERROR)  # peers going away at the end are expected
     n_ask, n_ray, n_tensor, repeats = (3_000, 500, 40, 1) if args.quick else (20_000, 3_000, 250, 3)
     results: dict[str, float] = {}
-    bare, dni, dni_tensor, dni_socket, gloo, bare_tensor = [], [], [], [], [], []
+    bare, dni, dni_tcp, dni_tensor, dni_socket, gloo, bare_tensor = [], [], [], [], [], [], []
     dni_metrics: list[float] = []
     with child(dniasync_node()) as (_, node), child([sys.executable, __file__, "--serve-ws"]) as (_, ws):
         for _ in range(repeats + 2):  # interleaved, so drift on a shared machine hits both alike; best of
             bare.append(run_async(bare_ws_ask(ws, n_ask)))
             dni.append(run_async(dniasync_ask(node, n_ask)))
+            dni_tcp.append(run_async(dniasync_ask(node, n_ask, unix=False)))
             dni_metrics.append(run_async(dniasync_ask_metrics(node, n_ask)))
         for _ in range(repeats):
             gloo.append(gloo_tensors(n_tensor, 4))
@@ -361,6 +412,7 @@ def main() -> None:
     ray_rate = ray_ask(n_ray)
     results["bare_ws_ask_per_s"] = max(bare)
     results["dniasync_ask_per_s"] = max(dni)
+    results["dniasync_tcp_ask_per_s"] = max(dni_tcp)
     results["dniasync_ask_metrics_per_s"] = max(dni_metrics)
     results["dniasync_tensor_bytes_per_s"] = max(dni_tensor)
     results["dniasync_socket_tensor_bytes_per_s"] = max(dni_socket)
@@ -368,6 +420,7 @@ def main() -> None:
     results["bare_ws_tensor_bytes_per_s"] = max(bare_tensor)
     ratios = {
         "ask_vs_bare_ws": results["dniasync_ask_per_s"] / results["bare_ws_ask_per_s"],
+        "ask_tcp_vs_bare_ws": results["dniasync_tcp_ask_per_s"] / results["bare_ws_ask_per_s"],
         "tensor_throughput_vs_gloo": results["dniasync_tensor_bytes_per_s"] / results["gloo_tensor_bytes_per_s"],
         "tensor_socket_throughput_vs_gloo": (
             results["dniasync_socket_tensor_bytes_per_s"] / results["gloo_tensor_bytes_per_s"]
@@ -376,7 +429,10 @@ def main() -> None:
     }
     rows = [
         ("small ask: bare aiohttp ws echo", f"{results['bare_ws_ask_per_s']:,.0f}/s", "1.00 (floor)"),
-        ("small ask: dniasync", f"{results['dniasync_ask_per_s']:,.0f}/s", f"{ratios['ask_vs_bare_ws']:.2f} of bare ws"),
+        ("small ask: dniasync (same-host Unix socket)", f"{results['dniasync_ask_per_s']:,.0f}/s",
+         f"{ratios['ask_vs_bare_ws']:.2f} of bare ws"),
+        ("small ask: dniasync over TCP", f"{results['dniasync_tcp_ask_per_s']:,.0f}/s",
+         f"{ratios['ask_tcp_vs_bare_ws']:.2f} of bare ws"),
         ("small ask: dniasync, metrics on", f"{results['dniasync_ask_metrics_per_s']:,.0f}/s",
          f"{ratios['remote_ask_metrics_on_vs_off']:.2f} of metrics off"),
     ]
@@ -413,9 +469,10 @@ def _plot(results: dict[str, float], path: Path) -> None:
     except ImportError:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
-    asks = {"bare ws": "bare_ws_ask_per_s", "dniasync": "dniasync_ask_per_s", "Ray": "ray_ask_per_s"}
+    asks = {"bare ws": "bare_ws_ask_per_s", "dniasync\nUnix": "dniasync_ask_per_s",
+            "dniasync\nTCP": "dniasync_tcp_ask_per_s", "Ray": "ray_ask_per_s"}
     shown = {k: results[v] for k, v in asks.items() if v in results}
-    left.bar(list(shown), list(shown.values()), color=["grey", "tab:blue", "tab:orange"][: len(shown)])
+    left.bar(list(shown), list(shown.values()), color=["grey", "tab:blue", "tab:cyan", "tab:orange"][: len(shown)])
     left.set_ylabel("round trips / s")
     left.set_title("small ask, two processes")
     right.bar(["gloo", "bare ws", "dniasync\nsocket", "dniasync\nshm"],
