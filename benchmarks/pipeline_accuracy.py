@@ -13,6 +13,8 @@ lr, batch size and epochs for all, ``max_in_flight`` batches in flight.
 - ``async``: no correction (forward on one weight version, backward on a later one);
 - ``stash``: PipeDream weight stashing;
 - ``spectrain``: SpecTrain weight prediction;
+- ``spectrain_stash``: SpecTrain's forward, back-propagated through its own
+  graph on the predicted weights (no second forward);
 - ``cdni`` (CNN, 2 stages): label-conditioned synthetic gradients, same
   optimizer and lr; ``cdni adam``: with Adam (lr 1e-3, DNI's usual
   optimizer), against ``backprop adam``.
@@ -27,6 +29,7 @@ CNN >= -1.5). Every run's final and best accuracy and mean version gap per
 stage are in the JSON.
 
     nice -n 10 python benchmarks/pipeline_accuracy.py [--quick] [--adam] [--seeds 0 1 2 3 4] [--models mlp --merge]
+        [--rules spectrain spectrain_stash --name NAME]
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from dniasync.train.pipeline import StageSettings, TrainResult, run_pipeline, tr
 BATCH, MOMENTUM, WINDOW = 64, 0.9, 4
 LR = 0.05
 ADAM_LR = 1e-3
-RULES = ("async", "stash", "spectrain")
+RULES = ("async", "stash", "spectrain", "spectrain_stash")
 
 
 EPOCHS = {"mlp": 15, "cnn": 8}
@@ -107,7 +110,8 @@ def table(args: Any) -> dict[str, Any]:
                                 momentum=momentum, eval_x=ex, eval_y=ey)
             rows.setdefault(f"{name} backprop", []).append({"seed": seed, **record(bp)})
             _common.say(f"{name} seed {seed} backprop: {bp.final_accuracy:.4f} ({time.perf_counter() - started:.0f} s)")
-            runs = [(n, rule, optimizer) for n in cuts for rule in (("async", "spectrain") if args.adam else RULES)]
+            rules = [r for r in (("async", "spectrain") if args.adam else RULES) if r in args.rules]
+            runs = [(n, rule, optimizer) for n in cuts for rule in rules]
             if name == "cnn":  # cDNI with the same optimizer and lr, and with Adam (DNI's usual optimizer)
                 runs += [(2, "cdni", "sgd"), (2, "cdni", "adam")]
                 torch.manual_seed(seed)
@@ -167,6 +171,8 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=LR, help="SGD's lr (the momentum table)")
     p.add_argument("--epochs-mlp", type=int, default=EPOCHS["mlp"])
     p.add_argument("--epochs-cnn", type=int, default=EPOCHS["cnn"])
+    p.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES),
+                   help="the real-gradient rules to run (backprop always runs)")
     p.add_argument("--name", default=None, help="results file name (default: pipeline_accuracy[_adam])")
     p.add_argument("--merge", action="store_true", help="rerun --models only, keeping the other models' rows")
     args = p.parse_args()
