@@ -155,3 +155,39 @@ def test_a_pipeline_job_whose_coordinator_was_killed_resumes_with_its_stages_sta
     assert walls == sorted(walls) and samples == sorted(samples)  # one continuous history
     assert any(p["wall_s"] < resumed_at["wall_s"] for p in doc["history"])
     assert doc["final_accuracy"] >= 0.85, doc["history"]
+
+
+def test_a_stage_frozen_for_10_s_does_not_end_the_run(tmp_path: Path) -> None:
+    """A frozen stage process either comes back in time, or is declared dead, ended and restarted (its
+    pipeline rolled back): either way the run trains its whole budget."""
+    epochs = 100
+    config, out = write_job(tmp_path, "stagefreeze", epochs=epochs, seconds=900)
+    config.write_text(config.read_text() + "\n[checkpoint]\nevery_seconds = 1.0\n")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        victim = None
+        while time.monotonic() < deadline and victim is None:
+            if _coordinator_says(out, "checkpoint ckpt-00000003") and _coordinator_says(out, "eval:"):
+                victim = _worker_hosting(out, 0)
+            time.sleep(0.1)
+        assert victim is not None, "the pipeline never checkpointed"
+        os.kill(victim["pid"], signal.SIGSTOP)
+        time.sleep(10)
+        try:
+            os.kill(victim["pid"], signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # declared dead while frozen: the launcher ended it (and started another)
+        stdout, stderr = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 0, stdout + stderr
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["stop_reason"] == f"trained {epochs} epochs", doc["stop_reason"]
+    assert doc["samples"] == epochs * 1400
+    assert doc["final_accuracy"] >= 0.85, doc["history"]

@@ -278,15 +278,21 @@ class _Supervisor:
 
     def _kill_zombies(self, status: JobStatusReply) -> None:
         """A worker whose replica the job declared dead while the process runs (it was frozen or cut off) is
-        fenced for good: end it, so that it is started again as a new replica instead of training for nothing."""
+        fenced for good: end it, so that it is started again as a new replica instead of training for nothing.
+        The same for a pipeline worker whose stages the job gave to the next worker to join."""
         for child in self.cluster.children:
             if child.role != "worker" or not child.address or child.proc.returncode is not None:
                 continue
-            state = status.replicas.get(replica_name(f"{WORKER_HOST}@{child.address}"))
+            if self.config.mode == "pipeline":  # its stages: dead if the job gave any of them away
+                states = {s for name, s in status.replicas.items() if name.endswith(f"@{child.address}")}
+                state = "dead" if "dead" in states else ("alive" if states else None)
+            else:
+                state = status.replicas.get(replica_name(f"{WORKER_HOST}@{child.address}"))
             if state == "alive":
                 self._seen_alive.add(child.proc.pid)
             elif state == "dead" and child.proc.pid in self._seen_alive and self.restart_workers:
-                print(f"\nreplica of worker {child.slot} ({child.address}) was declared dead while its process runs; "
+                print(f"\n{'stages' if self.config.mode == 'pipeline' else 'replica'} of worker {child.slot} "
+                      f"({child.address}) declared dead while its process runs; "
                       f"restarting it (see {child.log})", file=self.out, flush=True)
                 child.proc.kill()
 

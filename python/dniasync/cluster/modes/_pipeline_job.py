@@ -134,6 +134,8 @@ class PipelineJob:
         self._stage_bytes: dict[str, tuple[int, int]] = {}
         self._stage_view: list[StageStats] = []  # pipeline 0's latest stats, for the live page
         self.durability = PipelineDurability(self)
+        self.gone: set[str] = set()
+        """Addresses of stages whose slot went to another worker (their process died, froze or was cut off)."""
         """Captures for checkpoints, and the rollback-restart of a pipeline whose stage died."""
 
     def stage_settings(self) -> dict[str, Any]:
@@ -211,6 +213,9 @@ class PipelineJob:
                 for member in gone:
                     del self.hosts[member]
                 for g in groups:
+                    ref = self.refs[r][g]
+                    if ref is not None:  # reported dead from now on: a launcher ends its process if it still runs
+                        self.gone.add(ref.address)
                     self.refs[r][g] = None
                 log.warning("pipeline %d, stages %s: %s is gone (%s); waiting for a worker to take them", r, groups,
                             ", ".join(gone), reason)
@@ -460,7 +465,8 @@ class PipelineJob:
         return self.samples() // self.config.data.batch_size
 
     def members(self) -> dict[str, str]:
-        return {ref.address: ("alive" if ref.is_alive else "dead") for row in self.refs for ref in row if ref}
+        placed = {ref.address: ("alive" if ref.is_alive else "dead") for row in self.refs for ref in row if ref}
+        return {**{address: "dead" for address in self.gone}, **placed}
 
     def extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"groups": len(self.p.groups), "pipelines": self.p.replicas, "method": self.p.method,
