@@ -192,7 +192,9 @@ class CheckpointConfig(Section, frozen=True):
     every_seconds: Annotated[float, Meta(gt=0.0, description=(
         "snapshot every PS shard this often (parameters, optimizer state, version, push ledger) and write a "
         "checkpoint; a PS process that is restarted (by `--role local`, or an operator with the same address) "
-        "continues from its last snapshot, losing at most this interval of its updates"))] | None = 10.0
+        "continues from its last snapshot, losing at most this interval of its updates. A pipeline job also "
+        "captures each pipeline this often (drained; every stage's weights, optimizer state, SG and input "
+        "models): a stage that dies is restarted and its pipeline rolls back to its last capture"))] | None = 10.0
     dir: Annotated[str, Meta(description="where checkpoints go (default `<output_dir>/checkpoints`)")] | None = None
     keep: Annotated[int, Meta(ge=1, description="checkpoints kept (the oldest go first)")] = 3
 
