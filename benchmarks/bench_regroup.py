@@ -126,16 +126,17 @@ def split_at(cut: int, n: int) -> list[list[int]]:
 
 
 class Slowdown:
-    """Cut a process's speed to a third as two co-located jobs would: the process is pinned to CPU 0 beside
-    ``HOGS`` busy loops pinned there too (the scheduler shares the core between them), until :meth:`stop`. The other processes of the job
-    are pinned to CPU 1 for the whole run (see :func:`pin`), so only the slowed stage shares its core."""
+    """Cut a process's speed to a third as two co-located jobs would: the process (every thread of it) is pinned
+    to CPU 0 beside ``HOGS`` busy loops pinned there too (the scheduler shares the core between them), until
+    :meth:`stop`. The other processes of the job are pinned to CPU 1 for the whole run (see :func:`pin`), so only
+    the slowed stage shares its core."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self._hogs: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> None:
-        os.sched_setaffinity(self.pid, {0})
+        pin_process(self.pid, {0})
         self._hogs = [subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"])
                       for _ in range(HOGS)]
 
@@ -145,16 +146,27 @@ class Slowdown:
             hog.wait()
 
 
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of ``pid`` (``sched_setaffinity`` on a pid moves only its main thread; a stage computes
+    in a worker thread, which would otherwise escape to the other core)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:  # a thread that just ended
+            pass
+
+
 def pin(out: Path, stage0: int) -> None:
     """Stage 0's worker on CPU 0, every other process of the job (launcher, coordinator, stage 1) on CPU 1."""
     doc = json.loads((out / "cluster.json").read_text())
-    os.sched_setaffinity(int(doc["launcher_pid"]), {1})
+    pin_process(int(doc["launcher_pid"]), {1})
     for child in doc["children"]:
         pid = int(child["pid"])
-        try:
-            os.sched_setaffinity(pid, {0} if pid == stage0 else {1})
-        except ProcessLookupError:
-            pass
+        pin_process(pid, {0} if pid == stage0 else {1})
 
 
 def _stage0_pid(out: Path) -> int | None:
