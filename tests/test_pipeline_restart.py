@@ -191,3 +191,34 @@ def test_a_stage_frozen_for_10_s_does_not_end_the_run(tmp_path: Path) -> None:
     assert doc["stop_reason"] == f"trained {epochs} epochs", doc["stop_reason"]
     assert doc["samples"] == epochs * 1400
     assert doc["final_accuracy"] >= 0.85, doc["history"]
+
+
+def test_a_killed_replicated_stage_is_restarted_and_pulls_from_its_ps_shard(tmp_path: Path) -> None:
+    """DNI x Downpour (2 pipelines, a PS shard per stage): the pipeline of the killed stage rolls back and goes on."""
+    epochs = 100
+    config, out = write_job(tmp_path, "replicated", epochs=epochs, seconds=900, extra="replicas = 2\n")
+    config.write_text(config.read_text() + "\n[checkpoint]\nevery_seconds = 1.0\n")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        victim = None
+        while time.monotonic() < deadline and victim is None:
+            if _coordinator_says(out, "checkpoint ckpt-00000003") and _coordinator_says(out, "eval:"):
+                victim = _worker_hosting(out, 1)
+            time.sleep(0.1)
+        assert victim is not None, "the pipelines never checkpointed"
+        os.kill(victim["pid"], signal.SIGKILL)
+        stdout, stderr = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 0, stdout + stderr
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["stop_reason"] == f"trained {epochs} epochs", doc["stop_reason"]
+    assert doc["samples"] == epochs * 1400
+    assert [e["kind"] for e in doc["events"]].count("pipeline_restored") == 1
+    assert doc["final_accuracy"] >= 0.8, doc["history"]
