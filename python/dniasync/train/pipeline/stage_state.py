@@ -1,8 +1,10 @@
 """A stage's whole training state as named tensors: what a checkpoint keeps of it and a restart loads back.
 
 :class:`SaveStage` asks a :class:`~dniasync.train.pipeline.stage.Stage` for
-its layers' state dict, its local optimizer's state (Adam moments and step,
-SGD momentum; none when PS shards hold it), and its rule's SG model and
+its layers' state dict (buffers only when PS shards hold the parameters:
+they checkpoint them, and a stage pulls them before its next batch), its
+local optimizer's state (Adam moments and step, SGD momentum; none when PS
+shards hold it), and its rule's SG model and
 synthetic-input model with their optimizers' state. :class:`RestoreStage`
 loads such a state into a stage of the same layers: the layers and models
 take the saved values, the rule starts afresh around them (no batch kept,
@@ -88,9 +90,12 @@ def _strip(prefix: str, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def save_stage(stage: Stage) -> StageCheckpoint:
     """Everything ``stage`` has learned, as named tensors (call with its pipeline drained)."""
-    from ..param_sync import LocalOptimizer
+    from ..param_sync import LocalOptimizer, PSParams
 
     out = _with_prefix("layers", stage.layers)
+    if isinstance(stage.params, PSParams):  # its PS shards hold (and checkpoint) the parameters: buffers only
+        for name, _ in stage.layers.named_parameters():
+            del out[f"layers.{name}"]
     if isinstance(stage.params, LocalOptimizer):
         out.update(_optimizer_tensors("opt", stage.params.optimizer))
     for prefix, model in (("sg", stage.rule.sg), ("input", stage.rule.input_model)):
@@ -108,15 +113,23 @@ def save_stage(stage: Stage) -> StageCheckpoint:
 
 def load_stage(stage: Stage, first_layer: int, names: list[str], tensors: list[torch.Tensor]) -> None:
     """Put a :func:`save_stage` state back into ``stage`` (same layers); its rule starts afresh around it."""
-    from ..param_sync import LocalOptimizer
+    from ..param_sync import LocalOptimizer, PSParams
     from .rules import make_rule
 
     if first_layer != stage.first_layer:
         raise ValueError(f"{stage.ref.address}: the saved state is of layers from {first_layer}, "
                          f"the stage holds layers from {stage.first_layer}")
     saved = dict(zip(names, tensors, strict=True))
+    layers = _strip("layers", saved)
     with torch.no_grad():
-        stage.layers.load_state_dict(_strip("layers", saved))
+        if isinstance(stage.params, PSParams):  # buffers only: the parameters come from the shards' next pull
+            missing, unexpected = stage.layers.load_state_dict(layers, strict=False)
+            params = {name for name, _ in stage.layers.named_parameters()}
+            if unexpected or set(missing) - params:
+                raise ValueError(f"{stage.ref.address}: the saved state does not fit its layers "
+                                 f"(missing {sorted(set(missing) - params)}, unexpected {sorted(unexpected)})")
+        else:
+            stage.layers.load_state_dict(layers)
     if isinstance(stage.params, LocalOptimizer):
         _load_optimizer("opt", stage.params.optimizer, saved)
     stage.rule = make_rule(stage.settings, stage.shape)
