@@ -125,8 +125,9 @@ class PipelineJob:
         """Set while a regrouping of replicated stages runs: the other pipelines wait, drained, until it is done."""
         self._parked: set[int] = set()
         self._parked_changed = asyncio.Event()
-        self._next_regroup_check = 0.0
         self._next_regroup_log = 0.0
+        self._proposal: Any = None  # the policy's move, waiting for pipeline 0's next pause between mini-batches
+        self._watcher: asyncio.Task[None] | None = None
         self._clock_seen: dict[int, tuple[int, list[float], int, float]] = {}
         self._moves = 0
         self._sg_first: dict[str, float] = {}
@@ -251,6 +252,8 @@ class PipelineJob:
         self.runner.event(EVENT_GROUPS_PLACED, groups=addresses, split=split_text(self.groups))
         log.info("training %d pipeline(s) over %s", len(pipelines), addresses)
         self.tasks = [asyncio.create_task(self._train(r, d), name=f"pipeline-{r}") for r, d in enumerate(self.drivers)]
+        if self.regrouper is not None:
+            self._watcher = asyncio.create_task(self._watch_regroup(), name="regroup-watch")
 
     def _batches(self, r: int) -> Iterator[torch.Tensor]:
         import torch
@@ -379,25 +382,40 @@ class PipelineJob:
                                   [np.concatenate([state[i][s] for i in after]).astype(np.float32)
                                    for s in range(slots)], version), timeout=60.0)
 
+    async def _watch_regroup(self) -> None:
+        """Every ``interval_s``, beside the training: the stages' times to the policy, and its move, if any, left for
+        :meth:`_maybe_regroup`. The stats asks wait behind the batches queued at each stage, so asking them
+        between two mini-batches would hold the driver's feed and drain the pipeline every time."""
+        regrouper = self.regrouper
+        assert regrouper is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.config.regroup.interval_s)
+            if self._proposal is not None:
+                continue
+            try:
+                async with self._regroup_lock:  # the stats and the split they were taken on, together
+                    stats = await self.drivers[0].stats()
+                    self._note_stats(0, stats)
+                    for k, s in enumerate(stats):
+                        regrouper.observe(k, *self._per_batch(k, s))
+                    self._proposal = regrouper.decide(loop.time())
+            except Exception as exc:  # a stage down or rolling back: the pipeline's own task reports it
+                log.debug("regrouping: no stats this round (%r)", exc)
+                continue
+            if loop.time() >= self._next_regroup_log and regrouper.estimates.costs is not None:
+                self._next_regroup_log = loop.time() + 10.0
+                log.info("regrouping: split %s, estimated ms per batch %s, slowness %s", split_text(self.groups),
+                         self.extra().get("stage_ms"), regrouper.estimates.slowness)
+
     async def _maybe_regroup(self) -> None:
-        """Between two mini-batches: every ``interval_s`` feed the stages' times to the policy; move if it says so."""
+        """Between two mini-batches of pipeline 0: make the move the policy proposed, if any."""
         regrouper = self.regrouper
         loop = asyncio.get_running_loop()
-        if regrouper is None or loop.time() < self._next_regroup_check:
+        proposal, self._proposal = self._proposal, None
+        if regrouper is None or proposal is None:
             return
-        self._next_regroup_check = loop.time() + self.config.regroup.interval_s
         driver = self.drivers[0]
-        stats = await driver.stats()
-        self._note_stats(0, stats)
-        for k, s in enumerate(stats):
-            regrouper.observe(k, *self._per_batch(k, s))
-        proposal = regrouper.decide(loop.time())
-        if loop.time() >= self._next_regroup_log and regrouper.estimates.costs is not None:
-            self._next_regroup_log = loop.time() + 10.0
-            log.info("regrouping: split %s, estimated ms per batch %s, slowness %s", split_text(self.groups),
-                     self.extra().get("stage_ms"), regrouper.estimates.slowness)
-        if proposal is None:
-            return
         sizes = self._layer_sizes()
         if self.p.replicas > 1 and any(sum(sizes[i] for i in g) == 0 for g in proposal.groups):
             regrouper.hold(loop.time())  # a stage without parameters would leave its PS shard empty
@@ -559,9 +577,10 @@ class PipelineJob:
 
     # -- ending ---------------------------------------------------------------------
     async def stop(self, reason: str) -> None:
-        for task in self.tasks:
+        tasks = [*self.tasks, *([self._watcher] if self._watcher is not None else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _key(self, r: int, k: int) -> str:
         return f"group{k}" if self.p.replicas == 1 else f"pipeline{r}_group{k}"
