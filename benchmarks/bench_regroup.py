@@ -293,13 +293,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
         if run.get("slow_at_s") and name == "reaction":
             ax.axvline(run["slow_at_s"], color="black", linestyle="--", label="stage 0 slowed to a third of its speed")
         mid.plot([p["wall_s"] for p in h], [100 * p["accuracy"] for p in h], color=colors[name], label=name)
-    for name in ("regroup", "reaction"):
+    for name in ("regroup", "reaction"):  # the split over time: where each run started, and after each move
         run = series[name]
-        layers0 = [(0.0, len(run["start_split"][0]))] + [(m["wall_s"], int(m["split"].split(" | ")[0].split("-")[-1]) + 1)
-                                                         for m in run["moves"]]
-        for t, k in layers0:
-            (bottom if name == "reaction" else top).annotate(f"stage 0: {k} layers", (t, 0), fontsize=7,
-                                                             rotation=90, va="bottom")
+        start = " | ".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else f"{g[0]}" for g in run["start_split"])
+        for t, split in [(0.0, start)] + [(m["wall_s"], m["split"]) for m in run["moves"]]:
+            (bottom if name == "reaction" else top).annotate(
+                f"{name}: {split}", (t, 0.03), xycoords=("data", "axes fraction"), fontsize=7, rotation=90,
+                va="bottom", color=colors[name])
     top.set_title("samples/s over time (dotted: moves)")
     bottom.set_title("reacting to stage 0 at a third of its speed (dashed: slowdown starts)")
     mid.set_title("held-out accuracy (%) over time")
