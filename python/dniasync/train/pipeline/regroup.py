@@ -122,7 +122,7 @@ class StageCosts:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
 
     def calibrate(self, layer_seconds: Mapping[int, float], overhead: Mapping[int, float] | None = None) -> None:
-        """Set every layer's cost from one measurement of all of them (the profile pass, or the first reports).
+        """Set every layer's cost from one measurement of all of them (the stages' calibration reports).
 
         ``overhead[i]`` scales layer ``i``'s time: its stage's busy time over its layers' times when it was
         measured (1.0 where not given), so a layer's cost carries its share of the optimizer step, the
@@ -218,10 +218,9 @@ class Regrouper:
     Stages :meth:`observe` their per-layer and busy times; the runner asks
     :meth:`decide` on its tick. Each stage's first ``warmup_reports`` after the
     start and after every move are ignored (those batches pay for allocation
-    and caches). Unless :meth:`calibrate` was given a profile, the mean of the
-    next ``calibration_reports`` of every stage calibrates the layers' costs,
-    every stage's slowness being 1.0 by definition then, and the policy may act
-    at once. ``max_moves`` bounds the moves of a whole run (0: no bound). After
+    and caches). The mean of the next ``calibration_reports`` of every stage
+    calibrates the layers' costs, every stage's slowness being 1.0 by
+    definition then, and the policy may act at once. ``max_moves`` bounds the moves of a whole run (0: no bound). After
     a move the slowness is measured afresh and the cool-down starts from the
     moment the move was applied.
     """
@@ -247,9 +246,6 @@ class Regrouper:
     @property
     def estimates(self) -> StageCosts:
         return self._estimates
-
-    def calibrate(self, layer_seconds: Mapping[int, float]) -> None:
-        self._estimates.calibrate(layer_seconds)
 
     def observe(self, stage: int, layer_seconds: Mapping[int, float], busy_s: float | None = None) -> None:
         """A stage's latest per-layer seconds per batch and, when measured, its whole busy seconds per batch
