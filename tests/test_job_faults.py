@@ -197,21 +197,36 @@ def test_ctrl_c_leaves_a_summary_of_what_ran(tmp_path: Path) -> None:
     assert str(out / "summary.json") in stdout
 
 
+def trained_snapshot(log: Path, timeout: float = 120) -> None:
+    """Wait for the coordinator's first snapshot in which every PS shard has taken a push."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists():
+            for versions in re.findall(r"snapshot of 2 PS shard\(s\), versions \{0: (\d+), 1: (\d+)\}", log.read_text()):
+                if min(int(v) for v in versions) >= 1:
+                    return
+        time.sleep(0.05)
+    raise AssertionError("no snapshot of trained shards")
+
+
 def test_a_killed_ps_shard_is_restarted_from_its_snapshot_and_the_job_reaches_its_target(tmp_path: Path) -> None:
+    # The shard is killed at the first snapshot of trained weights (~12,000 samples in, accuracy ~0.85). At this
+    # learning rate the target takes ~200,000 samples, and no evaluation scores while a shard is down (it needs every
+    # shard's weights), so the job cannot end before the restart. At lr 0.05 it reached 0.95 within 40,000 samples,
+    # sometimes before the kill, and then nothing was restarted.
     out = tmp_path / "restart"
     config = tmp_path / "restart.toml"
-    text = JOB.format(name="restart", out=out, seconds=240).replace("max_epochs = 100000", "max_epochs = 100000\ntarget_accuracy = 0.95")
+    text = (JOB.format(name="restart", out=out, seconds=240).replace("lr = 0.05", "lr = 0.005")
+            .replace("max_epochs = 100000", "max_epochs = 100000\ntarget_accuracy = 0.93"))
     config.write_text(text + "\n[checkpoint]\nevery_seconds = 0.5\n")
     launcher = subprocess.Popen(
         [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        children = wait_training(out)
         log = out / "logs" / "coordinator0.log"
-        deadline = time.monotonic() + 120
-        while "snapshot of 2 PS shard(s)" not in log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        trained_snapshot(log)
+        children = list(json.loads((out / "cluster.json").read_text())["children"])
         victim = hosting(children, "ps-1@")
         os.kill(victim["pid"], signal.SIGKILL)
         stdout, stderr = launcher.communicate(timeout=240)
@@ -220,7 +235,7 @@ def test_a_killed_ps_shard_is_restarted_from_its_snapshot_and_the_job_reaches_it
             launcher.kill()
     assert launcher.returncode == 0, stdout + stderr
     doc = summary(out)
-    assert doc["stop_reason"] == "reached target accuracy 0.95"
+    assert doc["stop_reason"] == "reached target accuracy 0.93"
     restarted = [e for e in doc["events"] if e["kind"] == "ps_restarted"]
     assert len(restarted) == 1 and restarted[0]["shard"] == 1
     assert restarted[0]["snapshot_version"] >= 1  # it came back from a snapshot, not from scratch
