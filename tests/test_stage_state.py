@@ -16,7 +16,7 @@ from torch import nn
 
 from dniasync import ActorSystem
 from dniasync.train.pipeline import PipelineDriver, Schedule, StageSettings, batch_order, spawn_stages
-from dniasync.train.pipeline.stage_state import RestoreStage, SaveStage, StageCheckpoint
+from dniasync.train.pipeline.stage_state import FetchHeld, Held, HoldStage, RestoreStage, StageCheckpoint
 
 torch.set_num_threads(1)
 
@@ -56,14 +56,21 @@ async def test_a_rolled_back_pipeline_trains_the_same_batches_to_the_same_weight
         schedule = Schedule.for_rule(settings.rule, max_in_flight=1, micro_batches=2)
         async with PipelineDriver(system, refs, schedule, synthetic_inputs=settings.synthetic_inputs) as driver:
             await driver.train(x, y, iter(first))
-            saved = []
-            for k, ref in enumerate(refs):
-                state = await ref.ask(SaveStage(), timeout=30.0)
-                assert isinstance(state, StageCheckpoint)
-                saved.append(through_file(state, tmp_path / f"stage-{k}.safetensors"))
+            for ref in refs:  # each stage copies its state in place, and trains on
+                held = await ref.ask(HoldStage(7), timeout=30.0)
+                assert isinstance(held, Held) and held.capture == 7 and held.nbytes > 0
             await driver.train(x, y, iter(second))
             once = await driver.states()
             await driver.train(x, y, iter(first))  # more training, which the rollback must undo
+            saved = []
+            for k, ref in enumerate(refs):  # the copies, taken after all that training: still the state at the hold
+                with pytest.raises(ValueError, match="capture 6 is not held here"):
+                    await ref.ask(FetchHeld(6), timeout=30.0)
+                state = await ref.ask(FetchHeld(7), timeout=30.0)
+                assert isinstance(state, StageCheckpoint)
+                saved.append(through_file(state, tmp_path / f"stage-{k}.safetensors"))
+            with pytest.raises(ValueError, match="it holds none"):  # let go once sent
+                await refs[0].ask(FetchHeld(7), timeout=30.0)
             for ref, state in zip(refs, saved):
                 assert await ref.ask(RestoreStage(state.first_layer, state.names, state.tensors), timeout=30.0)
             await driver.train(x, y, iter(second))

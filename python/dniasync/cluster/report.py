@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Any, Final
 
 __all__ = [
+    "EVENT_BATCH_SIZE",
     "EVENT_PS_RESTARTED",
     "EVENT_REPLICA_FAILED",
     "EVENT_REPLICA_JOINED",
@@ -41,6 +42,8 @@ EVENT_REPLICA_FAILED: Final = "replica_failed"
 EVENT_SHARD_REASSIGNED: Final = "shard_reassigned"
 EVENT_REPLICA_JOINED: Final = "replica_joined"
 EVENT_PS_RESTARTED: Final = "ps_restarted"
+EVENT_BATCH_SIZE: Final = "batch_size"
+"""A worker's mini-batch changed size (a ``[schedule]``)."""
 
 Scalar = str | int | float | bool | None
 

@@ -2,9 +2,11 @@
 
 With ``[checkpoint] every_seconds`` set, each pipeline is *captured* that
 often between two mini-batches: drained (no batch in flight), each stage
-hands its whole state (weights, optimizer state, SG and synthetic-input
-models: :mod:`~dniasync.train.pipeline.stage_state`), kept with the
-pipeline's data cursor, its sample count and the split. The job runner's
+copies its whole state in place (weights, optimizer state, SG and
+synthetic-input models: :mod:`~dniasync.train.pipeline.stage_state`), and
+the pipeline trains on while the copies come over to the coordinator, kept
+there with the pipeline's data cursor, its sample count and the split at the
+drain. The pipelines' captures are spread over the interval. The job runner's
 checkpoints write the latest captures (parts ``stage-<r>-<k>``); ``--resume``
 loads them into the stages before training starts.
 
@@ -80,6 +82,8 @@ class PipelineDurability:
         """Samples of each pipeline before its current driver (the capture it was rolled back to)."""
         self._next = [0.0] * n
         self._moves_seen = [0] * n
+        self._ids = 0
+        self._fetching: list[asyncio.Task[None] | None] = [None] * n
         self.recovering: set[int] = set()
         self.restore_on_start = False
         self.restarts = 0
@@ -102,25 +106,54 @@ class PipelineDurability:
 
     # -- captures ------------------------------------------------------------------------
     async def maybe_capture(self, r: int) -> None:
-        """Between two mini-batches of pipeline ``r``: capture it when due (or when its split just changed)."""
+        """Between two mini-batches of pipeline ``r``: capture it when due (or when its split just changed), unless
+        its previous capture is still on its way over."""
         if not self.enabled:
+            return
+        fetching = self._fetching[r]
+        if fetching is not None and not fetching.done():
             return
         now = asyncio.get_running_loop().time()
         if now >= self._next[r] or self._moves_seen[r] != self.job._moves:
             await self.capture(r)
 
-    async def capture(self, r: int) -> None:
-        from ...train.pipeline.stage_state import SaveStage, StageCheckpoint
+    async def capture(self, r: int, *, first: bool = False) -> None:
+        """Drain pipeline ``r`` and have each stage copy its state in place; the copies come over in a task of their
+        own while the pipeline trains on, and become the pipeline's capture once all have arrived (until then the
+        previous capture stands). ``first``: the capture before training, awaited whole. The pipelines' captures
+        are spread over the interval, so that while one drains the others have the cores."""
+        from ...train.pipeline.stage_state import Held, HoldStage
 
         assert self.every_s is not None
         job = self.job
         driver = job.drivers[r]
         moves = job._moves
         await driver.drain()
-        states = await driver._ask_each(SaveStage(), StageCheckpoint)
-        self.captures[r] = Capture(job.cursors[r], self.lineage(r), [list(g) for g in job.groups], states)
+        self._ids += 1
+        capture_id = self._ids
+        cursor, samples, groups = job.cursors[r], self.lineage(r), [list(g) for g in job.groups]
+        await driver._ask_each(HoldStage(capture_id), Held)
         self._moves_seen[r] = moves
-        self._next[r] = asyncio.get_running_loop().time() + self.every_s
+        offset = self.every_s * (r + 1) / len(self.captures) if first else self.every_s
+        self._next[r] = asyncio.get_running_loop().time() + offset
+        task = asyncio.create_task(self._fetch(r, driver, capture_id, cursor, samples, groups),
+                                   name=f"pipeline-{r}-capture-{capture_id}")
+        self._fetching[r] = task
+        if first:
+            await task
+
+    async def _fetch(self, r: int, driver: PipelineDriver, capture_id: int, cursor: DataCursor, samples: int,
+                     groups: list[list[int]]) -> None:
+        from ...train.pipeline import PipelineBroken
+        from ...train.pipeline.stage_state import FetchHeld, StageCheckpoint
+
+        try:
+            states = await driver._ask_each(FetchHeld(capture_id), StageCheckpoint)
+        except (PipelineBroken, ActorError, ValueError) as exc:  # a stage died or restarted: the previous one stands
+            log.info("pipeline %d: capture %d not taken (%r)", r, capture_id, exc)
+            return
+        if driver is self.job.drivers[r] and r not in self.recovering:
+            self.captures[r] = Capture(cursor, samples, groups, states)
 
     def checkpoint(self) -> tuple[dict[str, Any], dict[str, Part]]:
         """The mode's checkpoint meta and parts: the latest captures (the current cursors while there are none)."""

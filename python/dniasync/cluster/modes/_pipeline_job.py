@@ -32,7 +32,7 @@ from .._schema import ConfigError
 from ..config import Config
 from ..plan import data_spec, model_spec, optimizer_spec, schedule_spec
 from ..protocol import Assignment, JoinJob, NoJob, Ready
-from ..report import RunReport
+from ..report import EVENT_BATCH_SIZE, RunReport
 from . import JobFailed, Snapshot
 from ._pipeline_durable import PipelineDurability
 from .downpour import record_ps_stats
@@ -51,7 +51,6 @@ __all__ = ["EVENT_GROUP_FAILED", "PipelineJob", "group_name", "host_stages"]
 
 log = logging.getLogger("dniasync.cluster.modes")
 
-EVENT_BATCH_SIZE: Final = "batch_size"
 EVENT_GROUP_FAILED: Final = "group_failed"
 EVENT_GROUPS_PLACED: Final = "groups_placed"
 EVENT_RESUME_REFUSED: Final = "resume_refused"
@@ -276,7 +275,7 @@ class PipelineJob:
             use_between = self.regrouper is not None or self.durability.enabled
             between = functools.partial(self._between, r) if use_between else None
             if self.durability.enabled:
-                await self.durability.capture(r)  # a stage that dies from the first batch on has a state to go back to
+                await self.durability.capture(r, first=True)  # a stage dying from the first batch has a state to go back to
             while True:
                 try:
                     result = await self.drivers[r].train(self.x_train, self.y_train, self._batches(r), between=between)

@@ -54,7 +54,7 @@ from .regroup import LayerClock, drop_from_optimizer, pack_layers, unpack_layers
 from .rules import Kept, Outcome, UpdateRule, make_rule
 from .rules.real import forward_with
 from .settings import StageSettings, StageShape
-from .stage_state import RestoreStage, SaveStage, StageCheckpoint, load_stage, save_stage
+from .stage_state import FetchHeld, Held, HoldStage, RestoreStage, StageCheckpoint, load_stage, save_stage
 
 __all__ = ["Stage"]
 
@@ -127,6 +127,8 @@ class Stage(Actor):
         self.monitor: ActorRef | None = None
         self._kept: OrderedDict[int, Kept] = OrderedDict()
         self._parts_done: dict[int, int] = {}
+        self._held: tuple[int, StageCheckpoint] | None = None
+        """A capture kept by :class:`HoldStage` until :class:`FetchHeld` takes it."""
         self.steps = 0
         self.evictions = 0
         self.late_gradients = 0
@@ -487,9 +489,20 @@ class Stage(Actor):
 
     # -- checkpoints (see stage_state) ----------------------------------------------------
     @handler
-    async def save(self, msg: SaveStage) -> StageCheckpoint:
+    async def hold(self, msg: HoldStage) -> Held:
         self._check_idle("save its state")
-        return await self.run_blocking(save_stage, self)
+        state = await self.run_blocking(save_stage, self)
+        self._held = (msg.capture, state)
+        return Held(msg.capture, sum(t.numel() * t.element_size() for t in state.tensors))
+
+    @handler
+    def fetch_held(self, msg: FetchHeld) -> StageCheckpoint:
+        held, self._held = self._held, None
+        if held is None or held[0] != msg.capture:
+            have = "none" if held is None else f"capture {held[0]}"
+            self._held = held
+            raise ValueError(f"{self.ref.address}: capture {msg.capture} is not held here (it holds {have})")
+        return held[1]
 
     @handler
     async def restore(self, msg: RestoreStage) -> bool:

@@ -1,15 +1,17 @@
 """A stage's whole training state as named tensors: what a checkpoint keeps of it and a restart loads back.
 
-:class:`SaveStage` asks a :class:`~dniasync.train.pipeline.stage.Stage` for
-its layers' state dict (buffers only when PS shards hold the parameters:
-they checkpoint them, and a stage pulls them before its next batch), its
-local optimizer's state (Adam moments and step, SGD momentum; none when PS
-shards hold it), and its rule's SG model and
-synthetic-input model with their optimizers' state. :class:`RestoreStage`
-loads such a state into a stage of the same layers: the layers and models
-take the saved values, the rule starts afresh around them (no batch kept,
-no micro-batch counted), so the stage is as it was when the state was taken
-with its pipeline drained. Names: ``layers.<key>``, ``opt.<param>.<key>``,
+:class:`HoldStage` has a drained :class:`~dniasync.train.pipeline.stage.Stage`
+copy, and keep in place, its layers' state dict (buffers only when PS shards
+hold the parameters: they checkpoint them, and a stage pulls them before its
+next batch), its local optimizer's state (Adam moments and step, SGD
+momentum; none when PS shards hold it), and its rule's SG model and
+synthetic-input model with their optimizers' state. The stage answers with a
+few bytes (:class:`Held`), so its pipeline goes on at once;
+:class:`FetchHeld` brings the copy over afterwards, while the stage trains.
+:class:`RestoreStage` loads such a state into a stage of the same layers:
+the layers and models take the saved values, the rule starts afresh around
+them (no batch kept, no micro-batch counted), so the stage is as it was when
+the state was taken with its pipeline drained. Names: ``layers.<key>``, ``opt.<param>.<key>``,
 ``sg.<key>``, ``sg_opt.<param>.<key>``, ``input.<key>``, ``input_opt.<param>.<key>``,
 and what else steers the updates: the SG model's running agreement with the
 true gradients (``sg_agreement``, which scales DNI's synthetic steps) and
@@ -29,13 +31,7 @@ from ...actors import message
 if TYPE_CHECKING:
     from .stage import Stage
 
-__all__ = ["RestoreStage", "SaveStage", "StageCheckpoint", "load_stage", "save_stage"]
-
-
-@message("dniasync.dni.SaveStage")
-@dataclass(frozen=True)
-class SaveStage:
-    """Ask a drained stage for its whole state (answered with :class:`StageCheckpoint`)."""
+__all__ = ["FetchHeld", "Held", "HoldStage", "RestoreStage", "StageCheckpoint", "load_stage", "save_stage"]
 
 
 @message("dniasync.dni.StageCheckpoint")
@@ -47,6 +43,33 @@ class StageCheckpoint:
     n_layers: int
     names: list[str]
     tensors: list[torch.Tensor]
+
+
+@message("dniasync.dni.HoldStage")
+@dataclass(frozen=True)
+class HoldStage:
+    """Ask a drained stage to copy its whole state and keep it as capture ``capture`` (answered with :class:`Held`;
+    a later hold replaces it)."""
+
+    capture: int
+
+
+@message("dniasync.dni.Held")
+@dataclass(frozen=True)
+class Held:
+    """The stage keeps capture ``capture``: ``nbytes`` of tensors."""
+
+    capture: int
+    nbytes: int
+
+
+@message("dniasync.dni.FetchHeld")
+@dataclass(frozen=True)
+class FetchHeld:
+    """Ask for the state the stage keeps as capture ``capture`` (answered with :class:`StageCheckpoint`; an error
+    if it keeps another one or none, e.g. after a restart). The stage lets go of its copy once it is sent."""
+
+    capture: int
 
 
 @message("dniasync.dni.RestoreStage")
