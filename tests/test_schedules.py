@@ -49,6 +49,16 @@ def test_the_norm_test_grows_the_sample_only_when_the_gradient_is_noisy() -> Non
     assert strict.observe(0.3, noisy, 8) == 512  # capped at end
 
 
+def test_the_norm_test_from_squared_norms_alone_asks_what_it_asks_from_the_vectors() -> None:
+    rng = np.random.default_rng(1)
+    parts = [np.ones(40) + 2.0 * rng.normal(size=40) for _ in range(5)]
+    mean = np.mean(parts, axis=0)
+    sum_sq = float(sum(g @ g for g in parts))
+    assert NormTest(0.5).wanted_from_norms(sum_sq, float(mean @ mean), 5, 8) == pytest.approx(
+        NormTest(0.5).wanted(parts, 8), rel=1e-9)
+    assert NormTest(0.5).wanted_from_norms(sum_sq, float(mean @ mean), 1, 8) == 0.0  # one part: no spread
+
+
 def test_a_cursor_walks_an_epoch_with_a_growing_batch() -> None:
     plan = ShardPlan(1000, 1, seed=0)
     schedule = BatchSchedule(ScheduleSpec("stepwise", start=100, end=400, every_epochs=1))
@@ -122,6 +132,30 @@ def test_a_downpour_job_with_a_stepwise_schedule_takes_fewer_larger_steps(tmp_pa
     assert grown["final_accuracy"] > 0.5
 
 
+DYNAMIC = "[schedule]\nkind = 'dynamic'\nend = 256\ntheta = 0.25\nchunks = 4\ntest_every = 5\n"
+
+
+@pytest.mark.parametrize("mode", ["downpour", "hogwild"])
+def test_dynamic_sampling_grows_each_workers_batch_when_its_norm_test_fails(mode: str, tmp_path: Path) -> None:
+    schedule = DYNAMIC
+    if mode == "hogwild":
+        schedule = "[hogwild]\nn_workers = 2\n" + DYNAMIC
+    text = JOB.replace('mode = "downpour"', f'mode = "{mode}"')
+    if mode == "hogwild":
+        text = text.replace("[downpour]\nn_replicas = 2\nn_ps_shards = 1\n", "")
+    doc = run_job(tmp_path, mode, text.replace("{schedule}", schedule), "trained 4 epochs")
+    grown: dict[str, list[int]] = {}
+    for e in doc["events"]:
+        if e["kind"] == "batch_size":
+            grown.setdefault(e["replica"], []).append(e["batch_size"])
+    assert grown, "no worker's batch grew"
+    for sizes in grown.values():  # from data.batch_size (16) up, never down, at most end
+        assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes) and 16 < sizes[0] and sizes[-1] <= 256
+    if mode == "downpour":  # fewer, larger steps than data.batch_size's 16 per push
+        assert doc["samples"] / doc["metrics"]["ps0_applied"] > 16
+    assert doc["final_accuracy"] > 0.5
+
+
 def test_every_mode_reads_the_schedule_section_and_a_bad_end_is_refused() -> None:
     from dniasync.cluster.config import ConfigError, parse_config
 
@@ -133,6 +167,15 @@ def test_every_mode_reads_the_schedule_section_and_a_bad_end_is_refused() -> Non
         assert parse_config(raw, resolve=False).schedule.kind == "stepwise"
     raw["schedule"] = {"kind": "stepwise", "start": 64, "end": 32}
     with pytest.raises(ConfigError, match="schedule.end"):
+        parse_config(raw, resolve=False)
+    raw["schedule"] = {"kind": "dynamic", "chunks": 1}
+    with pytest.raises(ConfigError, match="chunks"):
+        parse_config(raw, resolve=False)
+    raw["schedule"] = {"kind": "dynamic", "theta": 0.3}
+    assert parse_config(raw, resolve=False).schedule.theta == 0.3  # sandblaster's
+    raw["job"]["mode"] = "pipeline"
+    raw["pipeline"], raw["optimizer"] = {"groups": [[0, 1], [2]]}, {"name": "adam"}
+    with pytest.raises(ConfigError, match="not available for pipelines"):
         parse_config(raw, resolve=False)
 
 
@@ -248,3 +291,16 @@ def test_sandblaster_takes_its_loss_on_a_sample_that_grows_with_the_schedule(tmp
     # the loss was taken on the samples: fewer examples than every evaluation over the whole training set
     assert doc["samples"] < m["evaluations"] * 1400
     assert m["sample_size"] == 1400 and m["iterations"] == 40
+
+
+def test_sandblaster_grows_its_sample_when_the_norm_test_on_its_portions_fails(tmp_path: Path) -> None:
+    text = SANDBLASTER_JOB.replace('kind = "stepwise"\nstart = 150\nend = 1400\nevery_epochs = 2.0',
+                                   'kind = "dynamic"\nstart = 200\nend = 1400\ntheta = 0.25')
+    doc = run_job(tmp_path, "sandblaster_dynamic", text, "L-BFGS stopped: max_iterations")
+    m = doc["metrics"]
+    changes = [tuple(int(v) for v in pair.split(":")) for pair in m["sample_sizes"].split(",")]
+    sizes = [size for _, size in changes]
+    # the test runs on scalars: each portion's squared gradient norm and g·g from the shards
+    assert sizes[0] == 200 and len(sizes) >= 2 and sizes == sorted(sizes) and sizes[-1] <= 1400
+    assert all(size % 100 == 0 or size == 1400 for size in sizes)  # whole portions
+    assert [(e["iteration"], e["batch_size"]) for e in doc["events"] if e["kind"] == "batch_size"] == changes

@@ -24,7 +24,8 @@ def schedule_spec(config: Config) -> ScheduleSpec | None:
     s = config.schedule
     if s.kind == "fixed":
         return None
-    return ScheduleSpec(s.kind, s.start or config.data.batch_size, s.end, s.every_epochs, s.factor)
+    return ScheduleSpec(s.kind, s.start or config.data.batch_size, s.end, s.every_epochs, s.factor,
+                        theta=s.theta, chunks=s.chunks, test_every=s.test_every)
 
 
 def optimizer_spec(config: Config) -> OptimizerSpec:

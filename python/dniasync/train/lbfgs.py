@@ -255,14 +255,16 @@ class VectorFreeLBFGS:
 
     def __init__(self, group: ShardGroup, settings: LBFGSSettings,
                  on_iteration: Callable[[int, LBFGSResult], Awaitable[None]] | None = None,
-                 resample: Callable[[int], Awaitable[bool]] | None = None) -> None:
+                 resample: Callable[[int], Awaitable[bool]] | None = None, grad_norm: bool = False) -> None:
         """``resample(n_iter)``, before each iteration after the first: True when the group changed the sample
         its loss is taken on (a batch-size schedule); the loss and gradient at the current point are then taken
-        again on the new sample (the stored pairs stay: each was measured on one sample)."""
+        again on the new sample (the stored pairs stay: each was measured on one sample). ``grad_norm``: each
+        move also asks for ``g·g`` (one more scalar per shard), read as :attr:`grad_norm2`."""
         self.group = group
         self.settings = settings
         self.on_iteration = on_iteration
         self.resample = resample
+        self.grad_norm = grad_norm
         self.result = LBFGSResult()
         self.gram: dict[tuple[str, str], float] = {}
         self.history: list[int] = []
@@ -272,10 +274,15 @@ class VectorFreeLBFGS:
     def _dot(self, a: str, b: str) -> float:
         return self.gram[_key(a, b)]
 
+    @property
+    def grad_norm2(self) -> float | None:
+        """``‖g‖²`` at the current point (with ``grad_norm``)."""
+        return self.gram.get(_key("g", "g"))
+
     def _accept_pairs(self, k: int | None) -> list[tuple[str, str]]:
         """The dot products the coordinator lacks once the shards moved (and stored pair ``k``)."""
         kept = [*self.history, *([k] if k is not None else [])]
-        pairs = [_key("g", f"{v}{j}") for j in kept for v in "sy"]
+        pairs = [_key("g", f"{v}{j}") for j in kept for v in "sy"] + ([_key("g", "g")] if self.grad_norm else [])
         if k is not None:
             pairs += [_key(f"{a}{k}", f"{b}{j}") for a in "sy" for j in kept for b in "sy"]
         return sorted(set(pairs))

@@ -162,6 +162,8 @@ class Progress:
     """What the pushed gradients would take as dense float32: the compression claim is checked against it."""
     ps_versions: list[int]
     """The version of each PS shard it pulled last (a restarted shard continues above them)."""
+    batch_size: int = 0
+    """The size of its next mini-batch (a ``[schedule]`` grows it)."""
 
 
 @message("dniasync.train.StopTraining")

@@ -36,7 +36,7 @@ from ..actors import Actor, ActorError, ActorRef, handler, message
 from .data import DataCursor
 from .flat import FlatModel, flatten_parameters
 from .param_sync import ShardLink
-from .schedules import BatchSchedule
+from .schedules import make_schedule
 from .messages import Progress, Shards, StopTraining
 from .specs import PSLinkSpec, ReplicaSpec, SharedStoreSpec
 from .telemetry import track_replica
@@ -148,6 +148,10 @@ class Replica(Actor):
         self._loss_n = 0
         self._last_loss = float("nan")
         self._reporter: asyncio.Task[None] | None = None
+        self.schedule = make_schedule(spec.data.schedule)
+        """The batch-size schedule (None: data.batch_size throughout); a dynamic one grows on this replica's tests."""
+        self._batches = 0
+        self._epoch = 0.0
 
     async def on_start(self) -> None:
         self.coordinator: ActorRef = self.system.ref(self.spec.coordinator)
@@ -236,14 +240,24 @@ class Replica(Actor):
         shard = sorted(self.cursors)[self._turn % len(self.cursors)]
         self._turn += 1
         cursor, size = self.cursors[shard], self.spec.data.batch_size
-        if self.spec.data.schedule is not None:  # the batch grows with the epoch (train/schedules.py)
-            size = BatchSchedule(self.spec.data.schedule).batch_size(
-                cursor.epoch + cursor.position / self.shard_plan.shard_size(shard))
+        if self.schedule is not None:  # the batch grows with the epoch or on the norm test (train/schedules.py)
+            self._epoch = cursor.epoch + cursor.position / self.shard_plan.shard_size(shard)
+            size = self.schedule.batch_size(self._epoch)
         indices, self.cursors[shard] = self.shard_plan.next_batch(cursor, size)
         return indices
 
+    @property
+    def batch_size(self) -> int:
+        """The size of its next mini-batch."""
+        return self.spec.data.batch_size if self.schedule is None else self.schedule.batch_size(self._epoch)
+
     def _compute_many(self, batches: list[np.ndarray]) -> list[float]:
-        return [self._compute(indices) for indices in batches]
+        losses = []
+        for indices in batches:
+            tested = self.schedule is not None and self.schedule.test_due(self._batches)
+            self._batches += 1
+            losses.append(self._compute_tested(indices) if tested else self._compute(indices))
+        return losses
 
     def _compute(self, indices: np.ndarray) -> float:
         idx = torch.from_numpy(indices)
@@ -255,6 +269,40 @@ class Replica(Actor):
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         self.sync.after_backward()
         return float(loss.detach())
+
+    def _compute_tested(self, indices: np.ndarray) -> float:
+        """:meth:`_compute` with the gradient taken in ``chunks`` parts: the same gradient (their weighted sum),
+        and the spread of the parts' gradients feeds the dynamic schedule's norm test."""
+        assert self.schedule is not None
+        parts = [p for p in np.array_split(indices, self.schedule.spec.chunks) if len(p)]
+        if len(parts) < 2:
+            return self._compute(indices)
+        model, flat = self.flat.model, self.flat
+        flat.accumulate_grad()  # nothing pending in the parameters' .grad: flat.grad is what came before
+        start = flat.grad.clone()
+        last, loss_sum, part_grads = start, 0.0, []
+        for part in parts:
+            idx = torch.from_numpy(part)
+            weight = len(part) / len(indices)
+            loss = F.cross_entropy(model(self.x[idx]), self.y[idx])
+            (loss * weight).backward()  # type: ignore[no-untyped-call]
+            flat.accumulate_grad()
+            now = flat.grad.clone()
+            part_grads.append(((now - last) / weight).numpy())
+            last, loss_sum = now, loss_sum + weight * float(loss.detach())
+        clip = self.spec.optimizer.clip_norm
+        if clip is not None:  # clip this batch's gradient, as _compute does
+            batch = flat.grad - start
+            norm = float(torch.linalg.vector_norm(batch))
+            if norm > clip:
+                flat.grad.copy_(start + batch * (clip / (norm + 1e-6)))
+        before = self.schedule.batch_size(self._epoch)
+        after = self.schedule.observe(self._epoch, part_grads, len(parts[-1]))
+        if after != before:
+            log.info("replica %s: the norm test failed at epoch %.2f, batch size %d -> %d", self.name, self._epoch,
+                     before, after)
+        self.sync.after_backward()
+        return loss_sum
 
     async def on_stop(self) -> None:
         if self._reporter is not None:
@@ -274,7 +322,7 @@ class Replica(Actor):
             self.name, self.incarnation, self.samples, self.steps, self._last_loss,
             [[c.shard, c.epoch, c.position] for c in self.cursors.values()],
             self.bytes_pushed, self.bytes_pulled, self.pushes, self.dense_bytes_pushed,
-            list(link.versions) if (link := self._link()) else [],
+            list(link.versions) if (link := self._link()) else [], self.batch_size,
         )
         try:
             await self.coordinator.tell(progress)

@@ -196,6 +196,8 @@ class Commit:
     seq: int
     portions: list[int]
     losses: list[float]
+    grad_sq: list[float]
+    """Under dynamic sampling, ‖mean gradient‖² of each portion (the norm test's spread); else empty."""
 
 
 # -- the shard --------------------------------------------------------------------------------------
@@ -331,8 +333,10 @@ class SandblasterReplica(Actor):
         return True
 
     async def _work_forever(self) -> None:
-        done, held, losses = -1, list[int](), list[float]()
+        done, held, losses, norms = -1, list[int](), list[float](), list[float]()
         grad, loss = np.zeros(0), 0.0
+        schedule = self.spec.data.schedule
+        norm_test = schedule is not None and schedule.kind == "dynamic"
         while self.running:
             try:
                 reply = await self.coordinator.ask(Work(self.name, self.batch, done), timeout=ASK_TIMEOUT_S)
@@ -345,11 +349,14 @@ class SandblasterReplica(Actor):
                 self.acc += grad
                 held.append(done)
                 losses.append(loss)
+                if norm_test:
+                    size = min(self.spec.portion_size, len(self.x) - done * self.spec.portion_size)
+                    norms.append(float(grad @ grad) / size ** 2)
             done = -1
             if reply.portion == STOP:
                 return
             if reply.batch != self.batch:  # a new batch: what was accumulated belongs to a finished one
-                held, losses = [], []
+                held, losses, norms = [], [], []
                 self.acc.fill(0.0)
                 try:
                     fetched = await self._fetch(reply.batch)
@@ -362,8 +369,8 @@ class SandblasterReplica(Actor):
                     continue
                 self.batch = reply.batch
             if held and (reply.flush or len(held) >= self.spec.push_every or reply.portion == IDLE):
-                await self._push(held, losses)
-                held, losses = [], []
+                await self._push(held, losses, norms)
+                held, losses, norms = [], [], []
             if reply.portion == IDLE:
                 await asyncio.sleep(IDLE_WAIT_S)
                 continue
@@ -371,7 +378,7 @@ class SandblasterReplica(Actor):
             done = reply.portion
             self.portions_done += 1
 
-    async def _push(self, portions: list[int], losses: list[float]) -> None:
+    async def _push(self, portions: list[int], losses: list[float], norms: list[float]) -> None:
         self.seq += 1
         seq, batch = self.seq, self.batch
         stages = [s.ask(Stage(batch, self.name, seq, self.acc[a:b].copy()), timeout=ASK_TIMEOUT_S)
@@ -380,7 +387,7 @@ class SandblasterReplica(Actor):
         try:
             staged = await asyncio.gather(*stages)
             if all(staged):
-                await self.coordinator.ask(Commit(self.name, batch, seq, portions, losses), timeout=ASK_TIMEOUT_S)
+                await self.coordinator.ask(Commit(self.name, batch, seq, portions, losses, norms), timeout=ASK_TIMEOUT_S)
                 self.pushes += 1
                 self.bytes_pushed += self.n * 8
         except (ActorError, TimeoutError) as exc:  # uncommitted: the queue hands these portions out again

@@ -61,6 +61,7 @@ class PortionQueue:
         self.issued: set[int] = set()
         self.committed: dict[int, tuple[str, int]] = {}
         self.losses: dict[int, float] = {}
+        self.grad_sq: dict[int, float] = {}
         self.pushes: list[tuple[int, str, int]] = []
 
     def start(self, batch: int, n_portions: int | None = None) -> None:
@@ -107,7 +108,8 @@ class PortionQueue:
             return False
         return True
 
-    def commit(self, replica: str, seq: int, portions: list[int], losses: list[float]) -> bool:
+    def commit(self, replica: str, seq: int, portions: list[int], losses: list[float],
+               grad_sq: list[float] | None = None) -> bool:
         """Count push ``(replica, seq)`` if none of its portions is counted yet; else refuse it whole."""
         valid = all(0 <= p < self.n for p in portions) and len(set(portions)) == len(portions)
         if not valid or any(p in self.committed for p in portions):
@@ -123,6 +125,8 @@ class PortionQueue:
         for p, loss in zip(portions, losses):
             self.committed[p] = (replica, seq)
             self.losses[p] = loss
+            if grad_sq:
+                self.grad_sq[p] = grad_sq[portions.index(p)]
             self.holders[p].discard(replica)
         self.pushes.append((min(portions), replica, seq))
         return True
@@ -145,6 +149,12 @@ class PortionQueue:
 
     def loss_sum(self) -> float:
         return math.fsum(self.losses[p] for p in range(self.n))
+
+    def grad_sq_sum(self) -> tuple[float, int]:
+        """Σ‖g_p‖² over the batch's portions and how many there are (0 unless every commit carried them)."""
+        if len(self.grad_sq) < self.n or not all(p in self.grad_sq for p in range(self.n)):
+            return 0.0, 0
+        return math.fsum(self.grad_sq[p] for p in range(self.n)), self.n
 
 
 @dataclass
@@ -205,6 +215,8 @@ class SandblasterCoordinator(Actor):
         self.measure = measure
         self._batch_done = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._lbfgs: VectorFreeLBFGS | None = None
+        self._tested: tuple[float, int] = (0.0, 0)
 
     async def on_start(self) -> None:
         self.board.started = time.monotonic()
@@ -220,7 +232,9 @@ class SandblasterCoordinator(Actor):
     async def _drive(self) -> None:
         try:
             resample = self._resample if self.schedule is not None else None
-            result = await VectorFreeLBFGS(self, self.settings, on_iteration=self._iterated, resample=resample).run()
+            self._lbfgs = VectorFreeLBFGS(self, self.settings, on_iteration=self._iterated, resample=resample,
+                                          grad_norm=self.schedule is not None and self.schedule.needs_chunks)
+            result = await self._lbfgs.run()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the job fails, naming why
@@ -247,7 +261,13 @@ class SandblasterCoordinator(Actor):
 
     async def _resample(self, n_iter: int) -> bool:
         b = self.board
-        size = self._sample_at(b.examples / self.n_train)
+        epoch = b.examples / self.n_train
+        if self.schedule is not None and self.schedule.needs_chunks:  # dynamic sampling: the norm test, on scalars
+            sum_sq, count = self._tested
+            norm2 = self._lbfgs.grad_norm2 if self._lbfgs is not None else None
+            if count >= 2 and norm2 is not None:
+                self.schedule.observe_norms(epoch, sum_sq, norm2, count, self.portion_size)
+        size = self._sample_at(epoch)
         if size == b.sample_size:
             return False
         log.info("L-BFGS sample: %d -> %d examples before iteration %d", b.sample_size, size, n_iter)
@@ -282,6 +302,7 @@ class SandblasterCoordinator(Actor):
         await self._all(Reduce(batch, replicas, seqs, 1.0 / m))
         self.board.evaluations += 1
         self.board.examples += m
+        self._tested = self.queue.grad_sq_sum()  # the portions' spread at the point evaluated last
         return self.queue.loss_sum() / m
 
     async def accept(self, t: float, k: int | None, pairs: list[tuple[str, str]]) -> tuple[list[float], float, float]:
@@ -323,7 +344,7 @@ class SandblasterCoordinator(Actor):
         if msg.batch != self.queue.batch or not self.queue.active:
             self.queue.commits_refused += 1
             return False
-        accepted = self.queue.commit(msg.replica, msg.seq, list(msg.portions), list(msg.losses))
+        accepted = self.queue.commit(msg.replica, msg.seq, list(msg.portions), list(msg.losses), list(msg.grad_sq))
         if self.queue.complete:
             self._batch_done.set()
         return accepted

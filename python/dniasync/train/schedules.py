@@ -21,7 +21,13 @@ Sandblaster (where the "batch" is the sample L-BFGS works on).
   ``Var(∇ℓ_i) / (θ²‖∇f_S‖²)`` (at most ``end``). The per-example variance is
   estimated from the gradients of ``chunks`` equal parts of the batch
   (``Var(∇ℓ_i) ≈ m·Var(chunk means)`` for chunks of ``m`` examples), so no
-  per-example gradient is ever formed.
+  per-example gradient is ever formed. A Downpour or Hogwild worker takes
+  every ``test_every``-th batch's gradient in ``chunks`` parts (the same
+  gradient, summed) and grows its own batch; Sandblaster runs the test on
+  scalars only, its portions being the parts: each portion's ``‖g_p‖²`` comes
+  with its commit and ``g·g`` from the shards (``Σ‖g_p − ḡ‖² = Σ‖g_p‖² −
+  P‖ḡ‖²``), before each iteration. Pipelines do not offer it yet: no stage
+  sees the whole gradient.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ class ScheduleSpec:
     """Dynamic sampling: the norm test's θ (larger: a noisier gradient is tolerated)."""
     chunks: int = 4
     """Dynamic sampling: parts of a batch whose gradients estimate the per-example variance."""
+    test_every: int = 10
+    """Dynamic sampling: run the norm test on every this many batches (its batch's gradient is taken in parts)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("fixed", "stepwise", "dynamic"):
@@ -64,8 +72,8 @@ class ScheduleSpec:
             raise ValueError(f"lr_scaling must be none, linear or sqrt, got {self.lr_scaling!r}")
         if not 1 <= self.start <= self.end:
             raise ValueError(f"need 1 <= start <= end, got start={self.start} end={self.end}")
-        if self.every_epochs <= 0 or self.factor < 1 or self.theta <= 0 or self.chunks < 2:
-            raise ValueError("every_epochs and theta must be > 0, factor >= 1, chunks >= 2")
+        if self.every_epochs <= 0 or self.factor < 1 or self.theta <= 0 or self.chunks < 2 or self.test_every < 1:
+            raise ValueError("every_epochs and theta must be > 0, factor >= 1, chunks >= 2, test_every >= 1")
 
 
 class NormTest:
@@ -80,7 +88,17 @@ class NormTest:
         mean = g.mean(axis=0)
         # the variance of one example's gradient (summed over coordinates), from the spread of the chunk means
         per_example = chunk_size * float(((g - mean) ** 2).sum(axis=1).sum()) / (len(g) - 1)
-        norm2 = float(mean @ mean)
+        return self._size(per_example, float(mean @ mean))
+
+    def wanted_from_norms(self, sum_sq: float, norm2: float, count: int, chunk_size: int) -> float:
+        """The same from scalars only: ``sum_sq`` = Σ‖g_j‖² over ``count`` parts of ``chunk_size`` examples and
+        ``norm2`` = ‖mean g_j‖² (Σ‖g_j − ḡ‖² = Σ‖g_j‖² − count·‖ḡ‖²), for whoever never holds the vectors."""
+        if count < 2:
+            return 0.0
+        per_example = chunk_size * max(0.0, sum_sq - count * norm2) / (count - 1)
+        return self._size(per_example, norm2)
+
+    def _size(self, per_example: float, norm2: float) -> float:
         if norm2 == 0.0:
             return math.inf
         return per_example / (self.theta ** 2 * norm2)
@@ -118,13 +136,25 @@ class BatchSchedule:
         """Dynamic sampling: run the norm test on this batch's parts; returns the batch size from now on."""
         if self.spec.kind != "dynamic":
             return self.batch_size(epoch)
-        wanted = self.test.wanted(chunk_grads, chunk_size)
+        return self._grow(epoch, self.test.wanted(chunk_grads, chunk_size))
+
+    def observe_norms(self, epoch: float, sum_sq: float, norm2: float, count: int, chunk_size: int) -> int:
+        """:meth:`observe` from the parts' squared norms (see :meth:`NormTest.wanted_from_norms`)."""
+        if self.spec.kind != "dynamic":
+            return self.batch_size(epoch)
+        return self._grow(epoch, self.test.wanted_from_norms(sum_sq, norm2, count, chunk_size))
+
+    def _grow(self, epoch: float, wanted: float) -> int:
         current = self._dynamic
         if wanted > current:
-            self._dynamic = int(min(self.spec.end, max(current + 1, math.ceil(wanted))))
+            self._dynamic = int(min(self.spec.end, max(current + 1, math.ceil(min(wanted, 1e12)))))
             if self._dynamic != current:
                 self.grown.append((epoch, self._dynamic))
         return self._dynamic
+
+    def test_due(self, batches: int) -> bool:
+        """Whether the ``batches``-th batch (from 0) is one whose gradient is taken in parts for the norm test."""
+        return self.spec.kind == "dynamic" and batches % self.spec.test_every == 0
 
     @property
     def needs_chunks(self) -> bool:

@@ -25,7 +25,7 @@ from ...train.specs import PSLinkSpec, ReplicaSpec, SharedStoreSpec
 from ..config import Config
 from ..plan import data_spec, model_spec, optimizer_spec
 from ..protocol import Assignment, JoinJob, NoJob, Ready
-from ..report import EVENT_REPLICA_FAILED, EVENT_REPLICA_JOINED, EVENT_SHARD_REASSIGNED, RunReport
+from ..report import EVENT_BATCH_SIZE, EVENT_REPLICA_FAILED, EVENT_REPLICA_JOINED, EVENT_SHARD_REASSIGNED, RunReport
 from . import Snapshot
 
 if TYPE_CHECKING:
@@ -72,6 +72,7 @@ class _Replica:
     bytes_pushed: int = 0
     bytes_pulled: int = 0
     dense_bytes_pushed: int = 0
+    batch_size: int = 0
 
 
 class DataParallelJob:
@@ -151,6 +152,11 @@ class DataParallelJob:
         state.samples, state.steps = msg.samples, msg.steps
         state.bytes_pushed, state.bytes_pulled = msg.bytes_pushed, msg.bytes_pulled
         state.dense_bytes_pushed = msg.dense_bytes_pushed
+        if msg.batch_size and msg.batch_size != state.batch_size:
+            if self.runner.config.schedule.kind != "fixed":  # a schedule grew it
+                self.runner.event(EVENT_BATCH_SIZE, replica=msg.replica, samples=msg.samples,
+                                  batch_size=msg.batch_size)
+            state.batch_size = msg.batch_size
         for shard, epoch, position in msg.cursors:
             if self.owners.get(shard) == msg.replica:
                 self.cursors[shard] = DataCursor(shard, epoch, position)
