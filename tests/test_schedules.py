@@ -173,10 +173,6 @@ def test_every_mode_reads_the_schedule_section_and_a_bad_end_is_refused() -> Non
         parse_config(raw, resolve=False)
     raw["schedule"] = {"kind": "dynamic", "theta": 0.3}
     assert parse_config(raw, resolve=False).schedule.theta == 0.3  # sandblaster's
-    raw["job"]["mode"] = "pipeline"
-    raw["pipeline"], raw["optimizer"] = {"groups": [[0, 1], [2]]}, {"name": "adam"}
-    with pytest.raises(ConfigError, match="not available for pipelines"):
-        parse_config(raw, resolve=False)
 
 
 PIPELINE_JOB = """
@@ -236,6 +232,17 @@ def test_a_pipeline_job_trains_on_the_batches_its_schedule_grows(tmp_path: Path)
     assert grown == [(0, 0, 16), (1, 0, 32), (2, 0, 64), (3, 0, 128)]
     # every batch reached the last stage, which steps once per batch: 88 + 44 + 22 + 11 batches, not 4 x 88
     assert doc["metrics"]["group1_steps"] == sum(-(-1400 // size) for size in (16, 32, 64, 128))
+    assert doc["samples"] == 4 * 1400
+
+
+def test_a_pipeline_grows_its_batch_when_the_norm_test_at_its_last_stage_fails(tmp_path: Path) -> None:
+    text = PIPELINE_JOB.replace('kind = "stepwise"\nend = 128\nevery_epochs = 1.0',
+                                'kind = "dynamic"\nend = 256\ntheta = 0.25\ntest_every = 5')
+    doc = run_job(tmp_path, "pipeline_dynamic", text, "trained 4 epochs")
+    sizes = [e["batch_size"] for e in doc["events"] if e["kind"] == "batch_size"]
+    assert sizes[0] == 16 and len(sizes) >= 2, sizes  # the first batch's size, then at least one growth
+    assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes) and sizes[-1] <= 256
+    assert doc["metrics"]["group1_steps"] < 4 * -(-1400 // 16)  # fewer, larger batches than 16 throughout
     assert doc["samples"] == 4 * 1400
 
 

@@ -345,10 +345,6 @@ def parse_config(raw: Mapping[str, Any], *, resolve: bool = True) -> Config:
         raise ConfigError(f"section '[schedule]' applies to job.mode {', '.join(map(repr, SCHEDULED_MODES))}, "
                           f"not {job.mode!r}", "schedule")
     start = config.schedule.start or config.data.batch_size
-    if config.schedule.kind == "dynamic" and job.mode == "pipeline":
-        raise ConfigError("schedule.kind = 'dynamic' is not available for pipelines yet (the norm test needs the "
-                          "gradient's spread over parts of a batch, which no stage sees whole); use 'stepwise'",
-                          "schedule.kind")
     if config.schedule.kind != "fixed" and config.schedule.end < start:
         raise ConfigError(f"'schedule.end' is {config.schedule.end}, below the first batch size {start}",
                           "schedule.end")

@@ -26,8 +26,10 @@ Sandblaster (where the "batch" is the sample L-BFGS works on).
   gradient, summed) and grows its own batch; Sandblaster runs the test on
   scalars only, its portions being the parts: each portion's ``‖g_p‖²`` comes
   with its commit and ``g·g`` from the shards (``Σ‖g_p − ḡ‖² = Σ‖g_p‖² −
-  P‖ḡ‖²``), before each iteration. Pipelines do not offer it yet: no stage
-  sees the whole gradient.
+  P‖ḡ‖²``), before each iteration. A pipeline's driver sends every
+  ``test_every``-th batch forward through its stages beside the training and
+  the last stage, the one with the true loss, takes its parameters' gradient
+  in parts: the pipeline's test is on that stage's share of the gradient.
 """
 
 from __future__ import annotations

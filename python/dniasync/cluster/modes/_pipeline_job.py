@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from ...train.checkpoint import LoadedCheckpoint, Part
 
     from ...train.pipeline import PipelineDriver, StageStats
+    from ...train.schedules import CursorSizes
     from ..hosts import Host
     from ..job import JobRunner
     from .pipeline import PipelineConfig
@@ -129,6 +130,9 @@ class PipelineJob:
         self._watcher: asyncio.Task[None] | None = None
         self._clock_seen: dict[int, tuple[int, list[float], int, float]] = {}
         self._moves = 0
+        self._sizes: dict[int, CursorSizes] = {}
+        self._last_batch: dict[int, tuple[torch.Tensor, float]] = {}
+        self._batches_seen: dict[int, int] = {}
         self._sg_first: dict[str, float] = {}
         self._sg_last: dict[str, float] = {}
         self._stage_bytes: dict[str, tuple[int, int]] = {}
@@ -259,20 +263,40 @@ class PipelineJob:
 
         from ...train.schedules import CursorSizes
 
-        sizes = CursorSizes(schedule_spec(self.config), self.config.data.batch_size)  # [schedule]
+        sizes = self._sizes.get(r)
+        if sizes is None:  # [schedule]; one per pipeline for the whole run (a dynamic one grows on its tests)
+            sizes = self._sizes[r] = CursorSizes(schedule_spec(self.config), self.config.data.batch_size)
         while self.cursors[r].epoch < self.config.stop.max_epochs:
             c = self.cursors[r]
-            size = sizes.at(c.epoch, c.position, self.shard_plan.shard_size(c.shard))
+            shard_size = self.shard_plan.shard_size(c.shard)
+            size = sizes.at(c.epoch, c.position, shard_size)
             if sizes.changed:
                 self.runner.event(EVENT_BATCH_SIZE, pipeline=r, epoch=c.epoch, position=c.position, batch_size=size)
             indices, self.cursors[r] = self.shard_plan.next_batch(c, size)
-            yield torch.from_numpy(np.ascontiguousarray(indices))
+            batch = torch.from_numpy(np.ascontiguousarray(indices))
+            self._last_batch[r] = (batch, c.epoch + c.position / shard_size)
+            yield batch
+
+    async def _maybe_norm_test(self, r: int) -> None:
+        """Dynamic sampling: every ``test_every`` batches of pipeline ``r``, Byrd's norm test on its latest batch,
+        beside the training (the gradient of the last stage's parameters, the one stage that has the true loss)."""
+        sizes = self._sizes.get(r)
+        schedule = sizes.schedule if sizes is not None else None
+        last = self._last_batch.get(r)
+        if schedule is None or not schedule.needs_chunks or last is None:
+            return
+        batch, epoch = last
+        seen = self._batches_seen[r] = self._batches_seen.get(r, 0) + 1
+        if not schedule.test_due(seen - 1):
+            return
+        probe = await self.drivers[r].norm_probe(self.x_train[batch], self.y_train[batch], schedule.spec.chunks)
+        schedule.observe_norms(epoch, probe.sum_sq, probe.norm2, probe.count, probe.chunk_size)
 
     async def _train(self, r: int, driver: PipelineDriver) -> None:
         from ...train.pipeline import PipelineBroken
 
         try:
-            use_between = self.regrouper is not None or self.durability.enabled
+            use_between = self.regrouper is not None or self.durability.enabled or self.config.schedule.kind == "dynamic"
             between = functools.partial(self._between, r) if use_between else None
             if self.durability.enabled:
                 await self.durability.capture(r, first=True)  # a stage dying from the first batch has a state to go back to
@@ -319,6 +343,7 @@ class PipelineJob:
                 self._parked.discard(r)
         elif r == 0 and self.regrouper is not None:
             await self._maybe_regroup()
+        await self._maybe_norm_test(r)
         await self.durability.maybe_capture(r)
 
     def _layer_sizes(self) -> list[int]:

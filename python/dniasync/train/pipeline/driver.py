@@ -28,6 +28,8 @@ from .protocol import (
     Done,
     EvalForward,
     EvalOutput,
+    NormProbe,
+    NormProbeReply,
     Forward,
     LayerBundle,
     LossReport,
@@ -462,6 +464,19 @@ class PipelineDriver:
             correct += int((h.argmax(dim=1) == labels).sum())
         n = int(x.shape[0])
         return correct / n, loss_sum / n
+
+    async def norm_probe(self, x: torch.Tensor, y: torch.Tensor, chunks: int) -> NormProbeReply:
+        """Byrd's norm test on one batch (dynamic sampling): ``x`` forward through every stage but the last, whose
+        parameters' gradient is taken in ``chunks`` parts. Beside the training; nothing is updated."""
+        h = x
+        for ref in self.stages[:-1]:
+            reply = await self._guard(ref, ref.ask(EvalForward(h), timeout=self.ask_timeout_s))
+            assert isinstance(reply, EvalOutput)
+            h = reply.activations
+        last = self.stages[-1]
+        probe = await self._guard(last, last.ask(NormProbe(h, y, chunks), timeout=self.ask_timeout_s))
+        assert isinstance(probe, NormProbeReply)
+        return probe
 
     async def stats(self) -> list[StageStats]:
         """Each stage's counters and SG loss since the previous call."""

@@ -18,6 +18,8 @@ __all__ = [
     "Done",
     "EvalForward",
     "EvalOutput",
+    "NormProbe",
+    "NormProbeReply",
     "Forward",
     "Gradient",
     "LayerBundle",
@@ -129,6 +131,28 @@ class EvalOutput:
     """Reply to :class:`EvalForward`."""
 
     activations: torch.Tensor
+
+
+@message("dniasync.dni.NormProbe")
+@dataclass(frozen=True)
+class NormProbe:
+    """Ask the last stage: its parameters' gradient of the loss on ``activations`` and ``labels``, taken in
+    ``chunks`` equal parts, as the norm test's scalars (dynamic sampling; nothing is updated)."""
+
+    activations: torch.Tensor
+    labels: torch.Tensor
+    chunks: int
+
+
+@message("dniasync.dni.NormProbeReply")
+@dataclass(frozen=True)
+class NormProbeReply:
+    """Σ‖g_j‖² over ``count`` parts of ``chunk_size`` examples, and ‖mean g_j‖²."""
+
+    sum_sq: float
+    norm2: float
+    count: int
+    chunk_size: int
 
 
 @message("dniasync.dni.StatsRequest")

@@ -35,6 +35,8 @@ from .protocol import (
     Done,
     EvalForward,
     EvalOutput,
+    NormProbe,
+    NormProbeReply,
     Forward,
     Gradient,
     LayerBundle,
@@ -338,6 +340,24 @@ class Stage(Actor):
     @handler
     async def evaluate(self, msg: EvalForward) -> EvalOutput:
         return EvalOutput(await self.run_blocking(self._eval, msg.activations))
+
+    @handler
+    async def norm_probe(self, msg: NormProbe) -> NormProbeReply:
+        if self.downstream is not None:
+            raise ValueError(f"{self.ref.address}: the norm test runs at the last stage (this one has a downstream)")
+        return await self.run_blocking(self._norm_probe, msg.activations, msg.labels, msg.chunks)
+
+    def _norm_probe(self, h: torch.Tensor, labels: torch.Tensor, chunks: int) -> NormProbeReply:
+        """The last stage's share of the norm test: its parameters' gradient on each part of a batch."""
+        params = [p for p in self.layers.parameters() if p.requires_grad]
+        parts = [idx for idx in torch.arange(len(labels)).tensor_split(chunks) if len(idx)]
+        grads = []
+        for idx in parts:
+            loss = F.cross_entropy(self.layers(h[idx]), labels[idx].long())
+            grads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]).double())
+        mean = torch.stack(grads).mean(dim=0)
+        return NormProbeReply(float(sum(float(g @ g) for g in grads)), float(mean @ mean), len(parts),
+                              len(parts[-1]))
 
     @handler
     def stats(self, msg: StatsRequest) -> StageStats:
