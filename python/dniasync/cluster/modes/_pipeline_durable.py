@@ -105,6 +105,10 @@ class PipelineDurability:
         return self._high[r]
 
     # -- captures ------------------------------------------------------------------------
+    def background(self) -> list[asyncio.Task[None]]:
+        """The captures still on their way over (the job cancels them when it stops)."""
+        return [task for task in self._fetching if task is not None]
+
     async def maybe_capture(self, r: int) -> None:
         """Between two mini-batches of pipeline ``r``: capture it when due (or when its split just changed), unless
         its previous capture is still on its way over."""

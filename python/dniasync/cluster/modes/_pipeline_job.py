@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from ...actors import ActorRef, Directive
+from ...actors import ActorError, ActorRef, Directive
 from ...train.data import DataCursor
 from ...train.messages import Params, Progress, Pull, Reshard, ShardSnapshot, SnapshotShard
 from ...train.specs import CodecSpec, ShardSpec, StagesSpec
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from ...train.checkpoint import LoadedCheckpoint, Part
 
     from ...train.pipeline import PipelineDriver, StageStats
-    from ...train.schedules import CursorSizes
+    from ...train.schedules import BatchSchedule, CursorSizes
     from ..hosts import Host
     from ..job import JobRunner
     from .pipeline import PipelineConfig
@@ -133,6 +133,7 @@ class PipelineJob:
         self._sizes: dict[int, CursorSizes] = {}
         self._last_batch: dict[int, tuple[torch.Tensor, float]] = {}
         self._batches_seen: dict[int, int] = {}
+        self._norm_tests: dict[int, asyncio.Task[None]] = {}
         self._sg_first: dict[str, float] = {}
         self._sg_last: dict[str, float] = {}
         self._stage_bytes: dict[str, tuple[int, int]] = {}
@@ -277,19 +278,29 @@ class PipelineJob:
             self._last_batch[r] = (batch, c.epoch + c.position / shard_size)
             yield batch
 
-    async def _maybe_norm_test(self, r: int) -> None:
-        """Dynamic sampling: every ``test_every`` batches of pipeline ``r``, Byrd's norm test on its latest batch,
-        beside the training (the gradient of the last stage's parameters, the one stage that has the true loss)."""
+    def _maybe_norm_test(self, r: int) -> None:
+        """Dynamic sampling: every ``test_every`` batches of pipeline ``r``, Byrd's norm test on its latest batch
+        (the gradient of the last stage's parameters, the one stage that has the true loss), in a task beside the
+        training: its asks wait behind the batches queued at each stage, and the driver must not."""
         sizes = self._sizes.get(r)
         schedule = sizes.schedule if sizes is not None else None
         last = self._last_batch.get(r)
         if schedule is None or not schedule.needs_chunks or last is None:
             return
-        batch, epoch = last
         seen = self._batches_seen[r] = self._batches_seen.get(r, 0) + 1
-        if not schedule.test_due(seen - 1):
+        pending = self._norm_tests.get(r)
+        if not schedule.test_due(seen - 1) or (pending is not None and not pending.done()):
             return
-        probe = await self.drivers[r].norm_probe(self.x_train[batch], self.y_train[batch], schedule.spec.chunks)
+        self._norm_tests[r] = asyncio.create_task(self._norm_test(r, schedule, *last), name=f"pipeline-{r}-norm-test")
+
+    async def _norm_test(self, r: int, schedule: BatchSchedule, batch: torch.Tensor, epoch: float) -> None:
+        from ...train.pipeline import PipelineBroken
+
+        try:
+            probe = await self.drivers[r].norm_probe(self.x_train[batch], self.y_train[batch], schedule.spec.chunks)
+        except (PipelineBroken, ActorError) as exc:  # the pipeline's own training reports what broke
+            log.info("pipeline %d: norm test skipped (%r)", r, exc)
+            return
         schedule.observe_norms(epoch, probe.sum_sq, probe.norm2, probe.count, probe.chunk_size)
 
     async def _train(self, r: int, driver: PipelineDriver) -> None:
@@ -343,7 +354,7 @@ class PipelineJob:
                 self._parked.discard(r)
         elif r == 0 and self.regrouper is not None:
             await self._maybe_regroup()
-        await self._maybe_norm_test(r)
+        self._maybe_norm_test(r)
         await self.durability.maybe_capture(r)
 
     def _layer_sizes(self) -> list[int]:
@@ -601,7 +612,8 @@ class PipelineJob:
 
     # -- ending ---------------------------------------------------------------------
     async def stop(self, reason: str) -> None:
-        tasks = [*self.tasks, *([self._watcher] if self._watcher is not None else [])]
+        tasks = [*self.tasks, *([self._watcher] if self._watcher is not None else []), *self._norm_tests.values(),
+                 *self.durability.background()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
