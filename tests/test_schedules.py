@@ -149,8 +149,9 @@ def test_dynamic_sampling_grows_each_workers_batch_when_its_norm_test_fails(mode
         if e["kind"] == "batch_size":
             grown.setdefault(e["replica"], []).append(e["batch_size"])
     assert grown, "no worker's batch grew"
-    for sizes in grown.values():  # from data.batch_size (16) up, never down, at most end
-        assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes) and 16 < sizes[0] and sizes[-1] <= 256
+    for sizes in grown.values():  # from data.batch_size (16) up, never down, at most end (the first report may
+        # come before or after the first test)
+        assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes) and 16 <= sizes[0] and 16 < sizes[-1] <= 256
     if mode == "downpour":  # fewer, larger steps than data.batch_size's 16 per push
         assert doc["samples"] / doc["metrics"]["ps0_applied"] > 16
     assert doc["final_accuracy"] > 0.5
