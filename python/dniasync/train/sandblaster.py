@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -311,8 +312,9 @@ class SandblasterReplica(Actor):
 
         torch.nn.utils.vector_to_parameters(torch.from_numpy(self.flat), self.params)
 
-    def _portion(self, portion: int) -> tuple[np.ndarray, float]:
-        """The summed loss of portion ``portion`` and its gradient (float64)."""
+    def _portion(self, portion: int, norm: bool) -> tuple[np.ndarray, float, float]:
+        """The summed loss of portion ``portion``, its gradient (float64) and, with ``norm``, the squared norm of
+        its mean gradient (dynamic sampling's norm test; else NaN)."""
         import torch
         from torch.nn import functional as F
 
@@ -320,7 +322,8 @@ class SandblasterReplica(Actor):
         b = min(a + self.spec.portion_size, len(self.x))
         loss = F.cross_entropy(self.model(self.x[a:b]), self.y[a:b], reduction="sum")
         grads = torch.autograd.grad(loss, self.params)
-        return torch.cat([g.reshape(-1) for g in grads]).numpy(), float(loss.detach())
+        grad = torch.cat([g.reshape(-1) for g in grads]).numpy()
+        return grad, float(loss.detach()), float(grad @ grad) / (b - a) ** 2 if norm else math.nan
 
     async def _fetch(self, batch: int) -> bool:
         replies = await asyncio.gather(*(s.ask(Fetch(batch), timeout=ASK_TIMEOUT_S) for s in self.spec.shards))
@@ -334,7 +337,7 @@ class SandblasterReplica(Actor):
 
     async def _work_forever(self) -> None:
         done, held, losses, norms = -1, list[int](), list[float](), list[float]()
-        grad, loss = np.zeros(0), 0.0
+        grad, loss, norm = np.zeros(0), 0.0, math.nan
         schedule = self.spec.data.schedule
         norm_test = schedule is not None and schedule.kind == "dynamic"
         while self.running:
@@ -350,8 +353,7 @@ class SandblasterReplica(Actor):
                 held.append(done)
                 losses.append(loss)
                 if norm_test:
-                    size = min(self.spec.portion_size, len(self.x) - done * self.spec.portion_size)
-                    norms.append(float(grad @ grad) / size ** 2)
+                    norms.append(norm)
             done = -1
             if reply.portion == STOP:
                 return
@@ -374,7 +376,7 @@ class SandblasterReplica(Actor):
             if reply.portion == IDLE:
                 await asyncio.sleep(IDLE_WAIT_S)
                 continue
-            grad, loss = await self.run_blocking(self._portion, reply.portion)
+            grad, loss, norm = await self.run_blocking(self._portion, reply.portion, norm_test)
             done = reply.portion
             self.portions_done += 1
 

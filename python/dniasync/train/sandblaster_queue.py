@@ -152,7 +152,7 @@ class PortionQueue:
 
     def grad_sq_sum(self) -> tuple[float, int]:
         """Σ‖g_p‖² over the batch's portions and how many there are (0 unless every commit carried them)."""
-        if len(self.grad_sq) < self.n or not all(p in self.grad_sq for p in range(self.n)):
+        if not all(p in self.grad_sq for p in range(self.n)):
             return 0.0, 0
         return math.fsum(self.grad_sq[p] for p in range(self.n)), self.n
 
@@ -263,9 +263,9 @@ class SandblasterCoordinator(Actor):
         b = self.board
         epoch = b.examples / self.n_train
         if self.schedule is not None and self.schedule.needs_chunks:  # dynamic sampling: the norm test, on scalars
-            sum_sq, count = self._tested
+            sum_sq, count = self._tested  # count 0 (a portion's norm missing): the test asks for nothing
             norm2 = self._lbfgs.grad_norm2 if self._lbfgs is not None else None
-            if count >= 2 and norm2 is not None:
+            if norm2 is not None:
                 self.schedule.observe_norms(epoch, sum_sq, norm2, count, self.portion_size)
         size = self._sample_at(epoch)
         if size == b.sample_size:

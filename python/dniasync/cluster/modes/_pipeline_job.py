@@ -139,9 +139,9 @@ class PipelineJob:
         self._stage_bytes: dict[str, tuple[int, int]] = {}
         self._stage_view: list[StageStats] = []  # pipeline 0's latest stats, for the live page
         self.durability = PipelineDurability(self)
+        """Captures for checkpoints, and the rollback-restart of a pipeline whose stage died."""
         self.gone: set[str] = set()
         """Addresses of stages whose slot went to another worker (their process died, froze or was cut off)."""
-        """Captures for checkpoints, and the rollback-restart of a pipeline whose stage died."""
 
     def stage_settings(self) -> dict[str, Any]:
         from ...train.pipeline import StageSettings
@@ -307,7 +307,8 @@ class PipelineJob:
         from ...train.pipeline import PipelineBroken
 
         try:
-            use_between = self.regrouper is not None or self.durability.enabled or self.config.schedule.kind == "dynamic"
+            use_between = (self.regrouper is not None or self.durability.enabled
+                           or self.config.schedule.kind == "dynamic")
             between = functools.partial(self._between, r) if use_between else None
             if self.durability.enabled:
                 await self.durability.capture(r, first=True)  # a stage dying from the first batch has a state to go back to
