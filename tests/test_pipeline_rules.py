@@ -18,6 +18,7 @@ from torch import nn
 
 from dniasync import Actor, ActorSystem, Directive, handler
 from dniasync.train.pipeline import (
+    LrDecay,
     PipelineDriver,
     Schedule,
     Stage,
@@ -27,6 +28,7 @@ from dniasync.train.pipeline import (
     TrainResult,
     batch_order,
     build_stages,
+    make_rule,
     spawn_stages,
     train_backprop,
 )
@@ -86,6 +88,44 @@ async def test_one_batch_in_flight_reproduces_backprop(
     for key in want:
         assert not torch.equal(want[key], untouched.state_dict()[key])
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rule", ["async", "stash", "spectrain"])
+async def test_lr_decay_is_backprop_with_the_same_decay(digits: tuple[torch.Tensor, torch.Tensor], rule: str) -> None:
+    x, y = digits[0][:192], digits[1][:192]
+    decay = LrDecay("linear", start=0.25, final=0.1)
+    reference, constant = mlp(seed=6), mlp(seed=6)
+    train_backprop(reference, x, y, epochs=2, batch_size=32, seed=3, lr=0.05, optimizer="sgd", momentum=0.9,
+                   lr_decay=decay)
+    train_backprop(constant, x, y, epochs=2, batch_size=32, seed=3, lr=0.05, optimizer="sgd", momentum=0.9)
+    settings = StageSettings(rule=rule, optimizer="sgd", momentum=0.9, lr=0.05, max_in_flight=1)
+    async with ActorSystem() as system:
+        refs = await spawn_stages(system, mlp(seed=6), GROUPS, settings, 64)
+        async with PipelineDriver(system, refs, Schedule(max_in_flight=1)) as driver:
+            result = await driver.train(x, y, epochs=2, batch_size=32, seed=3, lr_decay=decay)
+            states = await driver.states()
+    # every stage stepped its last batch (the 12th of 12) with the decayed lr, SpecTrain predicting with it
+    assert [s.lr for s in result.stats] == [pytest.approx(0.05 * decay.scale(11 / 12), rel=1e-12)] * 3
+    got, want = _merged(states), reference.state_dict()
+    for key in want:
+        assert not torch.allclose(want[key], constant.state_dict()[key], rtol=1e-4, atol=1e-5)  # the decay mattered
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+
+
+def test_lr_decay_scales_the_sg_and_input_models_and_checks_its_settings() -> None:
+    settings = StageSettings(rule="cdni", sg_lr=1e-4, input_lr=1e-3, synthetic_inputs=True)
+    rule = make_rule(settings, StageShape(16, 8, 64, last=False, index=1, stages=3))
+    rule.connect(has_upstream=True)
+    assert rule.sg is not None and rule.input_model is not None
+    rule.scale_lr(0.25)
+    assert [g["lr"] for g in rule.sg.optimizer.param_groups] == [pytest.approx(2.5e-5)]
+    assert [g["lr"] for g in rule.input_model.optimizer.param_groups] == [pytest.approx(2.5e-4)]
+    cosine = LrDecay("cosine", start=0.5, final=0.2)
+    assert [cosine.scale(f) for f in (0.0, 0.5, 0.75, 1.0, 1.5)] == pytest.approx([1.0, 1.0, 0.6, 0.2, 0.2])
+    assert LrDecay("linear", start=0.0).scale(0.25) == pytest.approx(0.75) and LrDecay().scale(0.9) == 1.0
+    for bad in ({"kind": "step"}, {"start": 1.0}, {"start": -0.1}, {"final": 1.5}):
+        with pytest.raises(ValueError):
+            LrDecay(**bad)  # type: ignore[arg-type]
 
 
 def test_spectrain_prediction_is_the_formula_on_a_hand_computed_case() -> None:

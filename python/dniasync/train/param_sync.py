@@ -48,6 +48,7 @@ __all__ = [
     "ParamSync",
     "ShardLink",
     "make_optimizer",
+    "set_lr",
 ]
 
 log = logging.getLogger("dniasync.train.param_sync")
@@ -64,6 +65,12 @@ def make_optimizer(
     if kind == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum)
     raise ValueError(f"optimizer must be 'adam' or 'sgd', got {kind!r}")
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every parameter group of ``optimizer`` steps with ``lr`` from its next step on."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 class Backoff:
@@ -277,6 +284,9 @@ class ParamSync(Protocol):
     async def sync(self) -> None:
         """After a message: push and pull as the steps taken since the last call require."""
 
+    def scale_lr(self, scale: float) -> None:
+        """Step with the configured lr times ``scale`` from now on (see :class:`~dniasync.train.pipeline.LrDecay`)."""
+
 
 class LocalOptimizer:
     """The stage's own torch optimizer (Adam or SGD): nothing to push or pull."""
@@ -286,6 +296,9 @@ class LocalOptimizer:
 
     def __init__(self, params: Iterable[nn.Parameter], kind: str, lr: float, *, momentum: float = 0.0) -> None:
         self.optimizer = make_optimizer(list(params), kind, lr, momentum=momentum)
+        self.lr = lr
+        """The configured learning rate (:meth:`scale_lr` scales it)."""
+        self.scale = 1.0
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -298,6 +311,10 @@ class LocalOptimizer:
 
     async def sync(self) -> None:
         return
+
+    def scale_lr(self, scale: float) -> None:
+        self.scale = scale
+        set_lr(self.optimizer, self.lr * scale)
 
 
 class PSParams:
@@ -360,6 +377,11 @@ class PSParams:
         self.flat.accumulate_grad()
         self._pending += 1
         self.steps += 1
+
+    def scale_lr(self, scale: float) -> None:
+        if scale != 1.0:
+            raise ValueError("the PS shards apply the optimizer of a replicated stage: its lr cannot be decayed "
+                             "from the stage")
 
     async def _pull(self) -> None:
         if await self.link.pull():

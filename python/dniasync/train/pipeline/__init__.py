@@ -9,7 +9,8 @@
   (PipeDream) and ``spectrain`` (:mod:`.rules.real`); a stage steps its weights through a
   :class:`~dniasync.train.param_sync.ParamSync` (local, or PS shards);
 - :class:`PipelineDriver` (:mod:`.driver`) feeds the first stage as its
-  :class:`Schedule` says, evaluates, drains and rewires;
+  :class:`Schedule` says (its lr scaled down late in the run by
+  :class:`LrDecay`), evaluates, drains and rewires;
 - :mod:`.protocol` holds the wire messages; :mod:`.baseline` the
   single-process backprop reference and one-call in-process runs.
 """
@@ -35,7 +36,7 @@ from .protocol import (
     TraceRequest,
 )
 from .rules import RULES, UpdateRule, get_rule, make_rule
-from .schedule import Schedule, batch_order
+from .schedule import LrDecay, Schedule, batch_order
 from .settings import StageSettings, StageShape
 from .stage import Stage
 from .synthetic import SyntheticGradient, SyntheticInput
@@ -51,6 +52,7 @@ __all__ = [
     "Gradient",
     "GroupConfigError",
     "LossReport",
+    "LrDecay",
     "PipelineBroken",
     "PipelineDriver",
     "PipelineMonitor",

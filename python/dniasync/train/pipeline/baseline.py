@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...actors import ActorRef, ActorSystem, Directive
-from ..param_sync import make_optimizer
+from ..param_sync import make_optimizer, set_lr
 from .cut import build_stages
 from .driver import EvalPoint, PipelineDriver, TrainResult
-from .schedule import Schedule, batch_order
+from .schedule import LrDecay, Schedule, batch_order
 from .settings import StageSettings
 from .stage import Stage
 
@@ -67,11 +67,13 @@ async def run_pipeline(
     eval_y: torch.Tensor | None = None,
     evals_per_epoch: int = 1,
     method: str | None = None,
+    lr_decay: LrDecay | None = None,
 ) -> TrainResult:
     """Train ``model`` as a pipeline of stages in one in-process :class:`ActorSystem`.
 
     The schedule is the rule's (:meth:`Schedule.for_rule`): ``micro_batches``
-    applies to a flushing rule only.
+    applies to a flushing rule only. ``lr_decay``: every stage's lr over the
+    run (:class:`LrDecay`).
     """
     schedule = Schedule.for_rule(settings.rule, max_in_flight=max_in_flight, micro_batches=micro_batches)
     settings = replace(settings, max_in_flight=max_in_flight)  # SpecTrain's prior version gap
@@ -90,6 +92,7 @@ async def run_pipeline(
                 eval_y=eval_y,
                 evals_per_epoch=evals_per_epoch,
                 method=method or settings.rule,
+                lr_decay=lr_decay,
             )
 
 
@@ -120,10 +123,11 @@ def train_backprop(
     eval_x: torch.Tensor | None = None,
     eval_y: torch.Tensor | None = None,
     evals_per_epoch: int = 1,
+    lr_decay: LrDecay | None = None,
 ) -> TrainResult:
     """Sequential backprop in this thread: the reference the pipelines are measured against.
 
-    Same batch order as :class:`PipelineDriver` for the same ``seed``.
+    Same batch order as :class:`PipelineDriver` for the same ``seed``; ``lr_decay`` as :func:`run_pipeline`'s.
     """
     params = list(model.parameters())
     opt = make_optimizer(params, optimizer, lr, momentum=momentum)
@@ -133,6 +137,8 @@ def train_backprop(
     wall, samples, loss_sum, loss_count = 0.0, 0, 0.0, 0
     started = time.perf_counter()
     for step, (_, idx) in enumerate(batch_order(n, batch_size, epochs, seed)):
+        if lr_decay is not None:
+            set_lr(opt, lr * lr_decay.scale(samples / (n * epochs)))
         loss = F.cross_entropy(model(x[idx]), y[idx].long())
         opt.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]

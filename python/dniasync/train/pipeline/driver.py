@@ -43,7 +43,7 @@ from .protocol import (
     Trace,
     TraceRequest,
 )
-from .schedule import Schedule, batch_order
+from .schedule import LrDecay, Schedule, batch_order
 
 __all__ = [
     "EvalPoint",
@@ -202,6 +202,8 @@ class PipelineDriver:
         self._progress = _Progress()
         self._monitor: ActorRef | None = None
         self._next_batch = 0
+        self.lr_scale = 1.0
+        """What the stages multiply their learning rates by from the next batch fed on (:class:`LrDecay`)."""
 
     @property
     def samples_done(self) -> int:
@@ -359,7 +361,7 @@ class PipelineDriver:
                 await self._guard(ref, ref.tell(RawInput(batch_id, x, y)))
         self._progress.in_flight[batch_id] = len(self.stages)
         first = self.stages[0]
-        await self._guard(first, first.tell(Forward(batch_id, step_id, parts, weight, x, y)))
+        await self._guard(first, first.tell(Forward(batch_id, step_id, parts, weight, x, y, self.lr_scale)))
 
     async def _feed_batch(self, bx: torch.Tensor, by: torch.Tensor, step_id: int) -> None:
         m = self.schedule.micro_batches
@@ -385,6 +387,7 @@ class PipelineDriver:
         eval_every: int | None = None,
         method: str = "pipeline",
         between: Callable[[], Awaitable[None]] | None = None,
+        lr_decay: LrDecay | None = None,
     ) -> TrainResult:
         """Train on ``batches`` (index tensors into ``(x, y)``, e.g. from a resumable data cursor), or
         without them on ``epochs`` passes in :func:`batch_order` (seeded, as :func:`train_backprop`'s).
@@ -394,9 +397,13 @@ class PipelineDriver:
         batches; neither given: once at the end). Each evaluation first drains
         the pipeline and is not counted in wall time. ``between`` is awaited
         after each mini-batch is fed (a regrouping policy may drain and move
-        layers there).
+        layers there). ``lr_decay`` (with ``epochs``): each batch is fed with
+        :attr:`lr_scale` at the fraction of the run's samples fed before it;
+        without, :attr:`lr_scale` is the caller's.
         """
         n = int(x.shape[0])
+        if lr_decay is not None and epochs is None:
+            raise ValueError("lr_decay needs epochs (the run's length)")
         if batches is None:
             if epochs is None or batch_size is None:
                 raise ValueError("give the batches, or epochs and batch_size")
@@ -410,6 +417,8 @@ class PipelineDriver:
         started = time.perf_counter()
         for step_id, idx in enumerate(batches):
             await self._wait_until(lambda: len(self._progress.in_flight) < self.schedule.max_in_flight)
+            if lr_decay is not None and epochs:
+                self.lr_scale = lr_decay.scale(samples / (n * epochs))
             await self._feed_batch(x[idx], y[idx], step_id)
             if self.schedule.flush:
                 await self.drain()

@@ -56,6 +56,8 @@ class Forward:
     ``step_id`` and ``parts`` group micro-batches into one optimizer step
     (``parts=1``: the batch is a step of its own); ``weight`` is this part's
     share of the step's loss (its size over the mini-batch size).
+    ``lr_scale``: what every stage multiplies its learning rates by from this
+    batch on (the driver's :class:`~dniasync.train.pipeline.schedule.LrDecay`).
     """
 
     batch_id: int
@@ -64,6 +66,7 @@ class Forward:
     weight: float
     activations: torch.Tensor
     labels: torch.Tensor
+    lr_scale: float = 1.0
 
 
 @message("dniasync.dni.RawInput")
@@ -199,6 +202,8 @@ class StageStats:
     """Wall seconds the stage spent on training messages since its layers last changed (compute, optimizer
     steps, predictions, SG work, sends; not waiting for work or for its PS shards): with ``layer_batches``, what a
     batch really costs it, including what its layers' own times leave out."""
+    lr: float = float("nan")
+    """The learning rate the stage's layers step with now (``lr_scale`` applied); NaN: its PS shards hold it."""
 
 
 @message("dniasync.dni.StateRequest")

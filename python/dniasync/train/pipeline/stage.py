@@ -270,13 +270,16 @@ class Stage(Actor):
         await self.params.ready()
         started = time.perf_counter()
         self.trace("forward", b)
+        # every forward: a restored optimizer state or a new input model carries the lr it was built or saved with
+        self.params.scale_lr(msg.lr_scale)
+        self.rule.scale_lr(msg.lr_scale)
         await self.rule.before_forward(self, msg)
         weights = await self.rule.forward_weights(self, msg)
         h_in, h_out = await self.run_blocking(self._forward, msg.activations, weights)
         if self.last:
             await self._loss_step(msg, h_in, h_out)
         else:
-            out = Forward(b, msg.step_id, msg.parts, msg.weight, h_out.detach(), msg.labels)
+            out = Forward(b, msg.step_id, msg.parts, msg.weight, h_out.detach(), msg.labels, msg.lr_scale)
             if await self._send(self.downstream, out):
                 self.trace("sent_downstream", b)
             await self._apply(b, await self.rule.after_forward(self, msg, h_in, h_out))
@@ -385,6 +388,7 @@ class Stage(Actor):
             measured.get("estimate_error_ratio", math.nan),
             measured.get("prediction_error", math.nan),
             self.clock.busy_seconds,
+            self.params.lr * self.params.scale if isinstance(self.params, LocalOptimizer) else math.nan,
         )
 
     @handler

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..param_sync import make_optimizer
+from ..param_sync import make_optimizer, set_lr
 
 __all__ = ["AGREEMENT_DECAY", "SyntheticGradient", "SyntheticInput"]
 
@@ -58,9 +58,15 @@ class _Regressor(nn.Module):
         # an SG or input model is DNI's own overhead: its Adam runs fused (the layers' optimizer is torch's default,
         # as in the single-process backprop it is compared with)
         self.optimizer = make_optimizer(list(net.parameters()), optimizer, lr, fused=True)
+        self.lr = lr
+        """The configured learning rate (:meth:`scale_lr` scales it)."""
         self.losses: deque[float] = deque(maxlen=history)
         """The most recent training losses (bounded)."""
         self.steps = 0
+
+    def scale_lr(self, scale: float) -> None:
+        """Fit with the configured lr times ``scale`` from now on."""
+        set_lr(self.optimizer, self.lr * scale)
 
     def _fit(self, x: torch.Tensor, target: torch.Tensor) -> float:
         pred = self.net(x)

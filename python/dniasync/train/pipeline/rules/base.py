@@ -137,6 +137,12 @@ class UpdateRule:
     def connect(self, has_upstream: bool) -> None:
         """The stage was wired (again); ``has_upstream``: it is not the first."""
 
+    def scale_lr(self, scale: float) -> None:
+        """Fit the SG and input models with their configured lr times ``scale`` (the layers' is the stage's)."""
+        for model in (self.sg, self.input_model):
+            if model is not None:
+                model.scale_lr(scale)
+
     async def before_forward(self, stage: StageContext, msg: Forward) -> None:
         """Before the batch's forward: set the weights it meets."""
 
