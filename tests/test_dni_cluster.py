@@ -119,6 +119,23 @@ def test_placement_puts_both_groups_in_one_worker_process(tmp_path: Path) -> Non
     assert workers == [metrics["group0_address"].split("@")[1]] == [metrics["group1_address"].split("@")[1]]
 
 
+def test_lr_decay_reaches_every_stage_of_a_job_from_the_data_cursor(tmp_path: Path) -> None:
+    from dniasync.train.pipeline import LrDecay
+
+    config, out = write_job(tmp_path, "decay", epochs=4,
+                            extra='lr_decay = "linear"\nlr_decay_start = 0.25\nlr_decay_final = 0.1\n')
+    proc = launch(config)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = summary(out)
+    assert doc["stop_reason"] == "trained 4 epochs" and doc["final_accuracy"] >= 0.85, doc["history"]
+    # the last batch starts 43 batches of 32 into the 4th epoch of 1,400 examples: both stages, in their own
+    # processes, stepped it with the lr its place in the data gives (the scale travels with the batch)
+    want = 1e-3 * LrDecay("linear", 0.25, 0.1).scale((3 + 43 * 32 / 1400) / 4)
+    assert 1e-4 < want < 2e-4
+    for k in (0, 1):
+        assert doc["metrics"][f"group{k}_lr_last"] == pytest.approx(want, rel=1e-9), doc["metrics"]
+
+
 def test_dni_times_downpour_replicas_share_each_group_through_its_ps_shard(tmp_path: Path) -> None:
     config, out = write_job(tmp_path, "dnidp", epochs=6, extra="replicas = 2\n")
     proc = launch(config)
@@ -158,6 +175,12 @@ def test_dni_times_downpour_replicas_share_each_group_through_its_ps_shard(tmp_p
         (("max_in_flight = 4", "max_inflight = 4"), "unknown key 'pipeline.max_inflight' (did you mean 'max_in_flight'?)",
          "local"),
         (('name = "adam"', 'name = "adagrad"'), "'optimizer.name' is 'adagrad'", "local"),
+        (("max_in_flight = 4", 'max_in_flight = 4\nreplicas = 2\nlr_decay = "cosine"'),
+         "'pipeline.lr_decay' needs pipeline.replicas = 1", "local"),
+        (("max_in_flight = 4", "max_in_flight = 4\nlr_decay_start = 0.2"),
+         "'pipeline.lr_decay_start' applies only when pipeline.lr_decay is 'linear' or 'cosine' (it is 'none')", "local"),
+        (("max_in_flight = 4", 'max_in_flight = 4\nlr_decay = "cosine"\nlr_decay_start = 1.0'),
+         "pipeline.lr_decay_start", "coordinator"),
     ],
 )
 def test_bad_dni_configs_fail_at_start_naming_the_problem(

@@ -86,7 +86,7 @@ class PipelineJob:
         import torch
 
         from ...train.flat import flatten_parameters
-        from ...train.pipeline import Schedule, split_sequential
+        from ...train.pipeline import LrDecay, Schedule, split_sequential
 
         torch.set_num_threads(1)
         self.config = config
@@ -107,6 +107,7 @@ class PipelineJob:
         self.eval_buffers = [flatten_parameters(part) for part in self.eval_parts]
         self.schedule = Schedule.for_rule(self.p.method, max_in_flight=self.p.max_in_flight,
                                           micro_batches=self.p.micro_batches)
+        self.lr_decay = LrDecay(self.p.lr_decay, self.p.lr_decay_start, self.p.lr_decay_final)
         n_pipelines, n_groups = self.p.replicas, len(self.p.groups)
         # placement slots, handed out in this order: (pipeline, stages on that worker)
         self.slots: list[tuple[int, list[int]]] = [
@@ -275,7 +276,9 @@ class PipelineJob:
                 self.runner.event(EVENT_BATCH_SIZE, pipeline=r, epoch=c.epoch, position=c.position, batch_size=size)
             indices, self.cursors[r] = self.shard_plan.next_batch(c, size)
             batch = torch.from_numpy(np.ascontiguousarray(indices))
-            self._last_batch[r] = (batch, c.epoch + c.position / shard_size)
+            epoch = c.epoch + c.position / shard_size
+            self._last_batch[r] = (batch, epoch)
+            self.drivers[r].lr_scale = self.lr_decay.scale(epoch / self.config.stop.max_epochs)
             yield batch
 
     def _maybe_norm_test(self, r: int) -> None:
@@ -656,6 +659,12 @@ class PipelineJob:
                     report.set_metric(f"{key}_{name}", int(getattr(s, name)))
                 if s.stash_peak_bytes:
                     report.set_metric(f"{key}_stash_peak_bytes", s.stash_peak_bytes)
+                if math.isfinite(s.lr):  # the lr its layers stepped with last (pipeline.lr_decay scales it)
+                    report.set_metric(f"{key}_lr_last", s.lr)
+                if s.layer_batches:  # where a batch's time goes at the stage: its layers' forward and backward, and
+                    # everything it did for the batch (optimizer step, prediction, SG work, (de)serialising, sends)
+                    report.set_metric(f"{key}_layers_ms_per_batch", 1e3 * sum(s.layer_seconds) / s.layer_batches)
+                    report.set_metric(f"{key}_busy_ms_per_batch", 1e3 * s.busy_seconds / s.layer_batches)
                 if s.steps and not s.sg_steps and s.sg_staleness_total:  # real gradients: the stage's version gap
                     report.set_metric(f"{key}_version_gap_mean", s.sg_staleness_total / s.steps)
                 if s.sg_steps:  # mean updates between a batch's forward and its SG fit

@@ -40,7 +40,8 @@ class PipelineConfig(Section, frozen=True):
     """The cut into stages, the update rule, SG models, placement, replicas (mode `pipeline`)."""
 
     only_for = {**{key: ("method", ("dni", "cdni")) for key in _SG_KEYS}, "micro_batches": ("method", ("sync",)),
-                "max_in_flight": ("method", _ASYNC_METHODS)}
+                "max_in_flight": ("method", _ASYNC_METHODS),
+                **{key: ("lr_decay", ("linear", "cosine")) for key in ("lr_decay_start", "lr_decay_final")}}
     renamed = {"variant": "method"}
 
     groups: Annotated[tuple[tuple[int, ...], ...], Meta(description=(
@@ -64,6 +65,14 @@ class PipelineConfig(Section, frozen=True):
     max_in_flight: Annotated[int, Meta(ge=1, description=(
         "mini-batches in an asynchronous pipeline (DNI, async, stash, spectrain) at once"))] = 4
     micro_batches: Annotated[int, Meta(ge=1, description="`sync` only: micro-batches per mini-batch")] = 4
+    lr_decay: Annotated[Literal["none", "linear", "cosine"], Meta(description=(
+        "every stage's learning rates (layers, SG and input models) over the run: `none` (constant), or from "
+        "lr_decay_start of stop.max_epochs on down to lr_decay_final of them at the end, `linear` or `cosine`; the "
+        "scale goes with each batch, from its place in the data (with pipeline.replicas = 1)"))] = "none"
+    lr_decay_start: Annotated[float, Meta(ge=0.0, lt=1.0, description=(
+        "the fraction of stop.max_epochs after which the lr decays"))] = 0.5
+    lr_decay_final: Annotated[float, Meta(ge=0.0, le=1.0, description=(
+        "the lr at the end, as a fraction of the configured one"))] = 0.0
     replicas: Annotated[int, Meta(ge=1, description=(
         "pipelines, each on its own data shard; more than one is DNI x Downpour"))] = 1
     n_fetch: Annotated[int, Meta(ge=1, description="with replicas > 1: a stage pulls its parameters every n_fetch steps")] = 1
@@ -136,6 +145,9 @@ class _Pipeline:
         if config.regroup.enabled and len(p.groups) < 2:
             raise ConfigError("'regroup.enabled' needs at least 2 stages in pipeline.groups", "regroup.enabled")
         if p.replicas > 1:
+            if p.lr_decay != "none":
+                raise ConfigError("'pipeline.lr_decay' needs pipeline.replicas = 1: with replicas the PS shards apply "
+                                  "the optimizer", "pipeline.lr_decay")
             if p.method.startswith("spectrain"):
                 raise ConfigError("'pipeline.method' spectrain predicts from each stage's own optimizer: it needs "
                                   "pipeline.replicas = 1", "pipeline.method")
