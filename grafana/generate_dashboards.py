@@ -220,6 +220,29 @@ def model_parallel() -> dict[str, Any]:
             [target(f"sum by (group) (rate(dniasync_dni_group_evictions_total{{{gsel}}}[{RI}]))", "evicted {{group}}"),
              target(f"sum by (group) (rate(dniasync_dni_group_late_gradients_total{{{gsel}}}[{RI}]))",
                     "late {{group}}")], unit="ops", w=12)
+    d.panel("timeseries", "Version gap per stage", "Updates a stage made between a batch's forward and the return of "
+            "its true gradient (async, stash, spectrain: the version gap; dni, cdni: the SG fit's staleness).",
+            [target(f"sum by (group) (rate(dniasync_dni_group_version_gap_updates_sum{{{gsel}}}[{RI}])) / "
+                    f"sum by (group) (rate(dniasync_dni_group_version_gap_updates_count{{{gsel}}}[{RI}]))",
+                    "{{group}}")], w=12)
+    d.panel("timeseries", "Stash bytes per stage", "Bytes of weight versions a stage holds for batches in flight "
+            "(PipeDream weight stashing; 0 for other rules).",
+            [target(f"max by (group) (dniasync_dni_group_stash_bytes{{{gsel}}})", "{{group}}")], unit="bytes", w=12)
+    d.panel("timeseries", "Prediction error per stage (relative)", "What a stage steps on instead of the truth, "
+            "relative: SpecTrain |W_predicted - W| / |W_forward - W| (below 1: the prediction beats no prediction); "
+            "dni/cdni |M - g| / |g| of the SG model (above 1: worse than a zero gradient; the synthetic step's lr is "
+            "then scaled down).",
+            [target(f"max by (group) (dniasync_dni_group_estimate_error_ratio{{{gsel}}})", "{{group}}")], w=12)
+    d.panel("timeseries", "Compute time per batch per stage", "Forward plus backward seconds a stage spends in its "
+            "own layers per trained batch: what regrouping balances (the slowest stage sets the pipeline's pace).",
+            [target(f"sum by (group) (rate(dniasync_dni_group_compute_seconds_sum{{{gsel}}}[{RI}])) / "
+                    f"sum by (group) (rate(dniasync_dni_group_compute_seconds_count{{{gsel}}}[{RI}]))", "{{group}}")],
+            unit="s", w=12)
+    d.panel("timeseries", "Layers per stage and layer moves", "Layers each stage holds now, and layers it gave away "
+            "or took in regrouping moves.",
+            [target(f"max by (group) (dniasync_dni_group_layers{{{gsel}}})", "{{group}} layers"),
+             target(f"sum by (group, direction) (increase(dniasync_dni_group_layer_moves_total{{{gsel}}}[{RI}]))",
+                    "{{group}} moved {{direction}}")], w=12)
     group_var = {"name": "group", "label": "Layer group", "type": "query", "datasource": DS,
                  "query": {"query": 'label_values(dniasync_dni_group_steps_total{job=~"$job", instance=~"$instance"}, group)',
                            "refId": "group-values"},
