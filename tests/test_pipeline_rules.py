@@ -248,6 +248,9 @@ async def test_many_in_flight_trains(digits: tuple[torch.Tensor, torch.Tensor], 
     assert result.history[-1].accuracy > (0.75 if rule.startswith("spectrain") else 0.4)
     assert result.stats[0].sg_staleness_total > 0
     assert all(s.steps == 176 for s in result.stats)  # every batch's true gradient, once, at every stage
+    # ... and every stage's layer clock (regrouping's measure, and the job's time per batch) counted each backward,
+    # the stashing rules' (through the graph of the stashed or predicted weights) as well
+    assert all(s.layer_batches == 176 and sum(s.layer_seconds) > 0 for s in result.stats)
 
 
 async def test_spectrain_measures_the_gap_it_predicts_with(digits: tuple[torch.Tensor, torch.Tensor]) -> None:

@@ -238,6 +238,14 @@ class Stage(Actor):
             self.steps += 1
         return h_in.grad.detach() if h_in.grad is not None else None
 
+    def gradients(
+        self, h_out: torch.Tensor, inputs: Sequence[torch.Tensor], grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        """``grad`` at ``h_out`` back-propagated to ``inputs`` only (``None`` where one is unused); nothing steps."""
+        grads = torch.autograd.grad(h_out, list(inputs), grad, allow_unused=True)
+        self.clock.backward_done()
+        return tuple(grads)
+
     def loss_backward(
         self, h_in: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, weight: float, *, zero: bool, step: bool
     ) -> tuple[torch.Tensor | None, float, int]:

@@ -18,7 +18,7 @@ the true gradient at once (micro-batches of one step are accumulated).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -92,6 +92,12 @@ class StageContext(Protocol):
         self, h_in: torch.Tensor, h_out: torch.Tensor, grad: torch.Tensor, *, zero: bool, step: bool
     ) -> torch.Tensor | None:
         """Back-propagate ``grad`` at ``h_out``; ``zero`` the gradients first, ``step`` after; ``dL/dh_in``."""
+        ...
+
+    def gradients(
+        self, h_out: torch.Tensor, inputs: Sequence[torch.Tensor], grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        """``grad`` at ``h_out`` back-propagated to ``inputs`` only (``None`` where one is unused); nothing steps."""
         ...
 
     def loss_backward(

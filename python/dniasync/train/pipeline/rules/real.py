@@ -212,7 +212,7 @@ class StashRule(_RealGradientRule):
         with_input = kept.h_in.requires_grad
         if with_input:
             inputs.append(kept.h_in)
-        grads = torch.autograd.grad(kept.h_out, inputs, grad, allow_unused=True)
+        grads = stage.gradients(kept.h_out, inputs, grad)
         stage.step_with({n: g for n, g in zip(names, grads) if g is not None})
         return grads[-1].detach() if with_input and grads[-1] is not None else None
 
