@@ -12,6 +12,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +58,8 @@ def write(bench: str, quick: bool, results: dict[str, Any], ratios: dict[str, fl
     return path
 
 
-def table(rows: list[tuple[str, str, str]], header: tuple[str, str, str]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
+def table(rows: Sequence[tuple[str, ...]], header: tuple[str, ...]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join(lines)
