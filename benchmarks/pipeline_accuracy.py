@@ -29,7 +29,7 @@ CNN >= -1.5). Every run's final and best accuracy and mean version gap per
 stage are in the JSON.
 
     nice -n 10 python benchmarks/pipeline_accuracy.py [--quick] [--adam] [--seeds 0 1 2 3 4] [--models mlp --merge]
-        [--rules spectrain spectrain_stash --name NAME]
+        [--rules spectrain spectrain_stash --name NAME] [--lr-decay cosine] [--in-flight 4]
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from torch import nn  # noqa: E402
 from dniasync.cluster.config import load_config  # noqa: E402
 from dniasync.cluster.plan import data_spec  # noqa: E402
 from dniasync.train.models import cnn, mlp  # noqa: E402
-from dniasync.train.pipeline import StageSettings, TrainResult, run_pipeline, train_backprop  # noqa: E402
+from dniasync.train.pipeline import LrDecay, StageSettings, TrainResult, run_pipeline, train_backprop  # noqa: E402
 
 BATCH, MOMENTUM, WINDOW = 64, 0.9, 4
 LR = 0.05
@@ -91,8 +91,10 @@ def table(args: Any) -> dict[str, Any]:
     rows: dict[str, list[dict[str, Any]]] = {}
     out: dict[str, Any] = {"data": {"dataset": "mnist5k", "n_train": int(x.shape[0]), "n_test": int(ex.shape[0])},
                            "batch_size": BATCH, "momentum": MOMENTUM, "lr": ADAM_LR if args.adam else args.lr,
-                           "optimizer": "adam" if args.adam else "sgd+momentum", "max_in_flight": WINDOW,
+                           "optimizer": "adam" if args.adam else "sgd+momentum", "max_in_flight": args.in_flight,
                            "epochs": {k: v[2] for k, v in specs.items()}, "seeds": args.seeds, "rows": rows}
+    out["lr_decay"] = args.lr_decay
+    decay = LrDecay(args.lr_decay)
     names = ["mlp"] if args.adam else [m for m in args.models]
     if args.merge:  # keep the other models' rows (and epochs) of the table already written
         previous = json.loads((_common.RESULTS / f"{args.name}.json").read_text())["results"]
@@ -107,7 +109,7 @@ def table(args: Any) -> dict[str, Any]:
             state = {k: v.clone() for k, v in model.state_dict().items()}
             started = time.perf_counter()
             bp = train_backprop(model, x, y, epochs=epochs, batch_size=BATCH, seed=seed, lr=lr, optimizer=optimizer,
-                                momentum=momentum, eval_x=ex, eval_y=ey)
+                                momentum=momentum, eval_x=ex, eval_y=ey, lr_decay=decay)
             rows.setdefault(f"{name} backprop", []).append({"seed": seed, **record(bp)})
             _common.say(f"{name} seed {seed} backprop: {bp.final_accuracy:.4f} ({time.perf_counter() - started:.0f} s)")
             rules = [r for r in (("async", "spectrain") if args.adam else RULES) if r in args.rules]
@@ -118,7 +120,7 @@ def table(args: Any) -> dict[str, Any]:
                 model = factory()
                 model.load_state_dict(state)
                 bp_adam = train_backprop(model, x, y, epochs=epochs, batch_size=BATCH, seed=seed, lr=ADAM_LR,
-                                         optimizer="adam", eval_x=ex, eval_y=ey)
+                                         optimizer="adam", eval_x=ex, eval_y=ey, lr_decay=decay)
                 rows.setdefault(f"{name} backprop adam", []).append({"seed": seed, **record(bp_adam)})
             for n_stages, rule, opt in runs:
                 model = factory()
@@ -128,8 +130,8 @@ def table(args: Any) -> dict[str, Any]:
                                    sg_lr=1e-4)
                 started = time.perf_counter()
                 res = asyncio.run(run_pipeline(model, cuts[n_stages], x, y, settings=st, epochs=epochs,
-                                               batch_size=BATCH, seed=seed, max_in_flight=WINDOW, eval_x=ex,
-                                               eval_y=ey))
+                                               batch_size=BATCH, seed=seed, max_in_flight=args.in_flight,
+                                               eval_x=ex, eval_y=ey, lr_decay=decay))
                 label = f"{name} {n_stages} stages {rule}" + (" adam" if opt != optimizer else "")
                 rows.setdefault(label, []).append({"seed": seed, **record(res)})
                 _common.say(f"{label} seed {seed}: {res.final_accuracy:.4f} "
@@ -169,6 +171,9 @@ def main() -> int:
     p.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=["mlp", "cnn"])
     p.add_argument("--adam", action="store_true", help="the MLP table with Adam (SpecTrain's Adam prediction)")
     p.add_argument("--lr", type=float, default=LR, help="SGD's lr (the momentum table)")
+    p.add_argument("--lr-decay", choices=("none", "linear", "cosine"), default="none",
+                   help="every method's lr over the second half of the run (pipeline.lr_decay)")
+    p.add_argument("--in-flight", type=int, default=WINDOW, help="batches in flight in every pipeline")
     p.add_argument("--epochs-mlp", type=int, default=EPOCHS["mlp"])
     p.add_argument("--epochs-cnn", type=int, default=EPOCHS["cnn"])
     p.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES),
