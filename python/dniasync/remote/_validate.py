@@ -8,7 +8,6 @@ value of the wrong type.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import types
 import typing
