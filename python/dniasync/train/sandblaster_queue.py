@@ -295,6 +295,8 @@ class SandblasterCoordinator(Actor):
                 await asyncio.wait_for(self._batch_done.wait(), WAIT_TICK_S)
             except TimeoutError:
                 self._check_replicas()
+        # a replica that died holding nothing this batch needed: reported now, not at the next wait that times out
+        self._check_replicas(silence=False)
         self.queue.active = False
         self.board.batch_seconds.append(time.monotonic() - opened)
         self.board.batch_ends_unix.append(time.time())
@@ -314,11 +316,14 @@ class SandblasterCoordinator(Actor):
         return combine_direction([(r.values[0], r.values[1]) for r in replies])
 
     # -- replicas ---------------------------------------------------------------------------------
-    def _check_replicas(self) -> None:
+    def _check_replicas(self, *, silence: bool = True) -> None:
+        """Declare dead the replicas whose process is gone (one that never asked for work too), and with ``silence``
+        those that asked and then fell silent too long."""
         now = time.monotonic()
-        for name, seen in list(self.board.last_seen.items()):
-            ref = self.board.replica_refs.get(name)
-            gone = (ref is not None and not ref.is_alive) or now - seen > self.board.silence_limit_s
+        for name in sorted(set(self.board.last_seen) | set(self.board.replica_refs)):
+            ref, seen = self.board.replica_refs.get(name), self.board.last_seen.get(name)
+            gone = (ref is not None and not ref.is_alive) or (
+                silence and seen is not None and now - seen > self.board.silence_limit_s)
             if gone and name not in self.board.dead:
                 self.board.dead.add(name)
                 returned = self.queue.drop(name)
