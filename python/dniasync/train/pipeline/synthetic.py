@@ -1,7 +1,7 @@
 """The small models of synthetic-gradient rules: ``M(h) ≈ dL/dh`` and a stage's predicted input.
 
-Both are MLPs fitted by MSE with their own optimizer (torch's fused Adam: they
-are DNI's own overhead) and record their recent losses for stats and metrics.
+Both are MLPs fitted by MSE with their own optimizer (torch's fused Adam, as
+the layers') and record their recent losses for stats and metrics.
 """
 
 from __future__ import annotations
@@ -55,9 +55,7 @@ class _Regressor(nn.Module):
     def __init__(self, net: nn.Module, lr: float, optimizer: str, history: int) -> None:
         super().__init__()
         self.net = net
-        # an SG or input model is DNI's own overhead: its Adam runs fused (the layers' optimizer is torch's default,
-        # as in the single-process backprop it is compared with)
-        self.optimizer = make_optimizer(list(net.parameters()), optimizer, lr, fused=True)
+        self.optimizer = make_optimizer(list(net.parameters()), optimizer, lr)
         self.lr = lr
         """The configured learning rate (:meth:`scale_lr` scales it)."""
         self.losses: deque[float] = deque(maxlen=history)
