@@ -5,6 +5,7 @@ a :class:`Transport` to make refs location-transparent.
 """
 
 from ._actor import Actor, handler
+from ._backoff import Backoff
 from ._errors import (
     ActorError,
     ActorNameTaken,
@@ -32,6 +33,7 @@ __all__ = [
     "ActorSystem",
     "ActorUnreachable",
     "AskTimeout",
+    "Backoff",
     "Destination",
     "Directive",
     "MailboxFull",

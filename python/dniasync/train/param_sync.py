@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..actors import ActorError, ActorRef
+from ..actors import ActorError, ActorRef, Backoff
 from .compression import CodecName, DeltaCodec, make_codec
 from .flat import FlatModel, flatten_parameters, split_ranges
 from .messages import Params, ParamsDelta, Pull, PullDelta, Push
@@ -77,32 +76,6 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Every parameter group of ``optimizer`` steps with ``lr`` from its next step on."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-class Backoff:
-    """Exponential backoff: after a failure wait ``initial_s``, doubling per failure up to ``max_s``."""
-
-    def __init__(self, initial_s: float = 0.05, max_s: float = 2.0, clock: Clock = time.monotonic) -> None:
-        self.initial_s = initial_s
-        self.max_s = max_s
-        self._clock = clock
-        self._delay = initial_s
-        self._next_try = -math.inf
-
-    def ready(self) -> bool:
-        """Whether the next attempt may go now."""
-        return self._clock() >= self._next_try
-
-    def failed(self) -> float:
-        """Record a failure; returns the seconds until the next attempt."""
-        delay = self._delay
-        self._next_try = self._clock() + delay
-        self._delay = min(2 * delay, self.max_s)
-        return delay
-
-    def succeeded(self) -> None:
-        self._delay = self.initial_s
-        self._next_try = -math.inf
 
 
 @dataclass
