@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import threading
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from dniasync import (
     one_for_all,
     one_for_one,
 )
+from dniasync.actors import Backoff
 
 
 @message("test.Append")
@@ -626,3 +628,23 @@ async def test_send_later_delivers_to_the_actor_itself_and_is_dropped_once_it_st
         await asyncio.sleep(0.1)
     assert values == [7]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_backoff_jitter_stays_within_its_fraction_doubles_and_resets() -> None:
+    now = [0.0]
+    backoff = Backoff(0.1, 1.0, jitter=0.5, clock=lambda: now[0], rng=random.Random(7))
+    nominal = [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    for _ in range(50):  # many draws per step: every one in [nominal * (1 - jitter), nominal]
+        delays = [backoff.failed() for _ in nominal]
+        assert all(n * 0.5 <= d <= n for d, n in zip(delays, nominal, strict=True)), delays
+        assert backoff.failures == len(nominal) and not backoff.ready()
+        now[0] += delays[-1]
+        assert backoff.ready()  # the wait of the last failure is over
+        backoff.succeeded()
+        assert backoff.failures == 0 and backoff.ready()
+    spread = {round(Backoff(0.1, 1.0, jitter=0.5).failed(), 6) for _ in range(20)}
+    assert len(spread) > 1  # clients that failed together do not retry in step
+    with pytest.raises(ValueError, match="jitter"):
+        Backoff(0.1, 1.0, jitter=1.0)
+    with pytest.raises(ValueError, match="initial_s"):
+        Backoff(2.0, 1.0)

@@ -10,14 +10,13 @@ spec describes, and reports the spawned refs
 from __future__ import annotations
 
 import logging
-import random
 import time
 from dataclasses import dataclass
 
-from ..actors import Actor, ActorError, ActorNotFound, ActorRef, handler, message
+from ..actors import Actor, ActorError, ActorNotFound, ActorRef, Backoff, handler, message
 from .protocol import Assignment, JoinJob, NoJob, Ready
 
-__all__ = ["Host", "next_delay"]
+__all__ = ["Host"]
 
 log = logging.getLogger("dniasync.cluster.hosts")
 
@@ -28,20 +27,13 @@ class _Attempt:
     pass
 
 
-def next_delay(first: float, cap: float) -> float:
-    """The next delay after ``first`` seconds: doubled, capped, with up to 20% jitter."""
-    return min(cap, first * 2) * random.uniform(0.8, 1.0)
-
-
 class Host(Actor):
     """Asks the runner at ``coordinator`` (``trainer@host:port``) for a ``role`` to serve, then serves it."""
 
     def __init__(self, coordinator: str, role: str, *, retry_s: float = 0.2, max_retry_s: float = 2.0) -> None:
         self.coordinator_address = coordinator
         self.role = role
-        self.retry_s = retry_s
-        self.max_retry_s = max_retry_s
-        self._delay = retry_s
+        self._backoff = Backoff(retry_s, max_retry_s, jitter=0.2)
         self.incarnation = time.time_ns() // 1000
         self.ready: Ready | None = None
         """What to tell the runner once it answers (a busy machine may drop a connection meanwhile)."""
@@ -51,8 +43,7 @@ class Host(Actor):
         self.ref.tell_nowait(_Attempt())
 
     def _retry(self) -> None:
-        self.send_later(self._delay, _Attempt())
-        self._delay = next_delay(self._delay, self.max_retry_s)
+        self.send_later(self._backoff.failed(), _Attempt())
 
     @handler
     async def attempt(self, msg: _Attempt) -> None:
@@ -80,7 +71,7 @@ class Host(Actor):
 
         self.hosted = await host_spec(self, reply.spec)
         log.info("%s host: hosting %s", self.role, ", ".join(ref.address for ref in self.hosted))
-        self._delay = self.retry_s
+        self._backoff.succeeded()
         self.ready = Ready(self.ref.address, self.incarnation, list(self.hosted))
         await self._announce(runner, self.ready)
 

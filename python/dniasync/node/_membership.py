@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from dataclasses import dataclass, replace
 
-from ..actors import Actor, ActorError, ActorRef, handler, message
+from ..actors import Actor, ActorError, ActorRef, Backoff, handler, message
 from ..remote import WebSocketTransport
 
 __all__ = [
@@ -221,20 +220,19 @@ class Membership(Actor):
 
 async def join_cluster(membership: ActorRef, join: Join, coordinator: ActorRef, stop: asyncio.Event) -> Members:
     """Ask the coordinator to let this node in, retrying with jittered backoff until ``stop``."""
-    delay = 0.1
+    backoff = Backoff(0.1, 2.0, jitter=0.5)
     while True:
         try:
             members: Members = await coordinator.ask(join, timeout=5.0)
         except ActorError as exc:
             log.info("joining via %s failed (%s); retrying", coordinator.node, exc)
             try:
-                async with asyncio.timeout(random.uniform(delay / 2, delay)):
+                async with asyncio.timeout(backoff.failed()):
                     await stop.wait()
             except TimeoutError:
                 pass
             if stop.is_set():
                 raise
-            delay = min(delay * 2, 2.0)
             continue
         await membership.tell(members)
         return members

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import secrets
 import socket
 from collections.abc import Awaitable, Callable, Coroutine
@@ -14,7 +13,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from ..actors import ActorNotFound, ActorRef, ActorSystem, split_address
+from ..actors import ActorNotFound, ActorRef, ActorSystem, Backoff, split_address
 from ._addresses import DeadDestination, is_loopback, parse_hostport
 from ._auth import Authenticator
 from ._connection import Connection, WebSocket
@@ -279,6 +278,7 @@ class WebSocketTransport:
     async def _connect_loop(self, peer: Peer) -> None:
         """Dial until connected, with jittered exponential backoff between attempts."""
         settings = self.settings
+        backoff = Backoff(settings.backoff_min_s, settings.backoff_max_s, jitter=0.5)
         attempt = 0
         reconnecting = peer.state == DOWN
         started = asyncio.get_running_loop().time()
@@ -292,8 +292,7 @@ class WebSocketTransport:
                         del self._peers[peer.node]
                     break
                 if attempt or reconnecting:
-                    cap = min(settings.backoff_max_s, settings.backoff_min_s * 2**attempt)
-                    await asyncio.sleep(random.uniform(cap / 2, cap))
+                    await asyncio.sleep(backoff.failed())
                     if peer.state == UP:  # the peer dialed us meanwhile
                         break
                 attempt += 1
