@@ -6,7 +6,7 @@ the same initial weights, optimizer, learning rate, batch order and epochs
 for every method. Prints one JSON object (final accuracy, best accuracy,
 samples/s, and the history per method)::
 
-    python -m dniasync.train.dni_compare --epochs 30 --seed 0
+    python benchmarks/dni_compare.py --epochs 30 --seed 0
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..runtime import run
-from .data import load_dataset, split
-from .models import mlp
-from .pipeline import StageSettings, TrainResult, run_pipeline, train_backprop
+from dniasync.runtime import run
+from dniasync.train.data import load_dataset, split
+from dniasync.train.models import mlp
+from dniasync.train.pipeline import StageSettings, TrainResult, run_pipeline, train_backprop
 
 __all__ = ["compare", "main"]
 
@@ -116,7 +116,7 @@ def compare(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: print the comparison as JSON on stdout."""
-    parser = argparse.ArgumentParser(prog="python -m dniasync.train.dni_compare", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/dni_compare.py", description=__doc__.split("\n")[0])
     parser.add_argument("--dataset", default="mnist5k")
     parser.add_argument("--n-train", type=int, default=4000)
     parser.add_argument("--n-test", type=int, default=1000)
