@@ -2,16 +2,11 @@
 
 A replica trains a torch model on the data shards its
 :class:`~dniasync.train.specs.ReplicaSpec` names and shares its parameters
-the way the spec's ``sync`` says:
-
-- :class:`~dniasync.train.specs.PSLinkSpec` (Downpour): pull from the PS
-  shards every ``n_fetch`` steps (with a codec, quantized parameter deltas
-  and a dense resync now and then), push the accumulated gradient (quantized,
-  with its residual, by the codec) every ``n_push`` steps, through a
-  :class:`~dniasync.train.param_sync.ShardLink`;
-- :class:`~dniasync.train.specs.SharedStoreSpec` (Hogwild): every step is
-  applied in place, without locks, by the Rust optimizer of the job's
-  shared-memory store.
+through the weight sync the spec's ``sync`` names (:mod:`dniasync.train.sync`),
+e.g. :class:`~dniasync.train.specs.PSLinkSpec` (Downpour: pull from the PS
+shards every ``n_fetch`` steps, push the accumulated gradient every
+``n_push``) or :class:`~dniasync.train.specs.SharedStoreSpec` (Hogwild: every
+step applied in place, without locks, to the job's shared-memory store).
 
 Training advances by ``_Step`` messages the replica sends itself, so between
 steps it still handles new shard assignments and stop requests. Torch work
@@ -26,7 +21,6 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -34,100 +28,22 @@ from torch.nn import functional as F
 
 from ..actors import Actor, ActorError, ActorRef, handler, message
 from .data import DataCursor
-from .flat import FlatModel, flatten_parameters
-from .param_sync import ShardLink
+from .flat import FlatModel
 from .schedules import make_schedule
 from .messages import Progress, Shards, StopTraining
-from .specs import PSLinkSpec, ReplicaSpec, SharedStoreSpec
+from .specs import ReplicaSpec
+from .sync import SyncContext, WeightSync, build_sync
 from .telemetry import track_replica
 
-__all__ = ["HOGWILD_SEGMENT", "Replica"]
+__all__ = ["Replica"]
 
 log = logging.getLogger("dniasync.train.replica")
-
-HOGWILD_SEGMENT = "params"
-HOGWILD_STEPS_PER_CALL = 8
 
 
 @message("dniasync.train.replica.Step")
 @dataclass(frozen=True)
 class _Step:
     pass
-
-
-class _Sync(Protocol):
-    """How a replica shares its parameters: what it does between its steps."""
-
-    flat: FlatModel
-
-    def steps_per_call(self, steps: int) -> int:
-        """Steps to run in one hand-off to a worker thread."""
-
-    def after_backward(self) -> None:
-        """On the worker thread, after each step's gradient is in ``flat.grad``."""
-
-    async def before(self, steps: int) -> None:
-        """On the loop, before a run of steps (a pull is due?)."""
-
-    async def after(self, steps: int, samples: int) -> None:
-        """On the loop, after a run of steps (a push is due?)."""
-
-
-class _Downpour:
-    """Pull every ``n_fetch`` steps, push every ``n_push`` (the data-parallel DistBelief replica)."""
-
-    def __init__(self, spec: PSLinkSpec, model: torch.nn.Module, replica: str, incarnation: int) -> None:
-        buffer = flatten_parameters(model)
-        self.flat = FlatModel(model, buffer)
-        bounds = [*spec.offsets, self.flat.n]
-        ranges = [(bounds[i], bounds[i + 1] - bounds[i]) for i in range(len(spec.ps))]
-        self.link = ShardLink(buffer, ranges, spec.ps, replica=replica, incarnation=incarnation,
-                              codec=spec.codec.name, tau=spec.codec.tau, block=spec.codec.block,  # type: ignore[arg-type]
-                              delta_tau=spec.codec.delta_tau)
-        self.n_fetch, self.n_push = spec.n_fetch, spec.n_push
-        self.samples_pending = 0
-
-    def steps_per_call(self, steps: int) -> int:
-        # a thread hop costs ~0.1 ms: run every step up to the next pull or push in one
-        return min(self.n_push - steps % self.n_push, self.n_fetch - steps % self.n_fetch)
-
-    def after_backward(self) -> None:
-        self.flat.accumulate_grad()
-
-    async def before(self, steps: int) -> None:
-        if steps % self.n_fetch == 0:  # steps == 0 too: never push before the first pull (warm start)
-            await self.link.pull()
-
-    async def after(self, steps: int, samples: int) -> None:
-        self.samples_pending += samples
-        if steps % self.n_push == 0:
-            await self.link.push(self.flat.grad.numpy(), self.samples_pending)
-            self.flat.grad.zero_()
-            self.samples_pending = 0
-
-
-class _Hogwild:
-    """Every step applied in place to the shared store: nothing to send."""
-
-    def __init__(self, spec: SharedStoreSpec, model: torch.nn.Module, replica: ReplicaSpec) -> None:
-        n = sum(p.numel() for p in model.parameters())
-        self.store = replica.optimizer.attach(spec.name, [(HOGWILD_SEGMENT, n)])
-        self.flat = FlatModel(model, self.store.view(HOGWILD_SEGMENT))
-        self.lr = replica.optimizer.lr
-
-    def steps_per_call(self, steps: int) -> int:
-        return HOGWILD_STEPS_PER_CALL
-
-    def after_backward(self) -> None:
-        self.flat.accumulate_grad()
-        self.store.step(HOGWILD_SEGMENT, self.flat.grad.numpy(), self.lr)
-        self.flat.grad.zero_()
-
-    async def before(self, steps: int) -> None:
-        return
-
-    async def after(self, steps: int, samples: int) -> None:
-        return
 
 
 class Replica(Actor):
@@ -152,6 +68,7 @@ class Replica(Actor):
         """The batch-size schedule (None: data.batch_size throughout); a dynamic one grows on this replica's tests."""
         self._batches = 0
         self._epoch = 0.0
+        self._sync_built = False
 
     async def on_start(self) -> None:
         self.coordinator: ActorRef = self.system.ref(self.spec.coordinator)
@@ -170,11 +87,12 @@ class Replica(Actor):
         self.shard_plan = spec.data.shard_plan()
         self._set_cursors(spec.cursors)
         model = spec.model.build()
-        self.sync: _Sync = (
-            _Downpour(spec.sync, model, self.name, self.incarnation) if isinstance(spec.sync, PSLinkSpec)
-            else _Hogwild(spec.sync, model, spec)
-        )
-        self.flat = self.sync.flat
+        self.sync: WeightSync = build_sync(spec.sync, model, SyncContext(self.name, self.incarnation, spec.optimizer,
+                                                                         actor=self))
+        if self.sync.flat is None:
+            raise ValueError(f"replica {self.name}: a {type(spec.sync).__name__} sync has no flat parameter buffer")
+        self.flat: FlatModel = self.sync.flat
+        self._sync_built = True
 
     # -- what the metrics read --------------------------------------------------
     @property
@@ -182,33 +100,25 @@ class Replica(Actor):
         """Mean training loss over the steps before the last progress report (NaN before it)."""
         return self._last_loss
 
-    def _link(self) -> ShardLink | None:
-        return self.sync.link if isinstance(self.sync, _Downpour) else None
-
     @property
     def pushes(self) -> int:
-        link = self._link()
-        return link.pushes if link else 0
+        return self.sync.stats().pushes
 
     @property
     def pulls(self) -> int:
-        link = self._link()
-        return link.pulls if link else 0
+        return self.sync.stats().pulls
 
     @property
     def bytes_pushed(self) -> int:
-        link = self._link()
-        return link.bytes_pushed if link else 0
+        return self.sync.stats().bytes_pushed
 
     @property
     def bytes_pulled(self) -> int:
-        link = self._link()
-        return link.bytes_pulled if link else 0
+        return self.sync.stats().bytes_pulled
 
     @property
     def dense_bytes_pushed(self) -> int:
-        link = self._link()
-        return link.dense_bytes_pushed if link else 0
+        return self.sync.stats().dense_bytes_pushed
 
     def _set_cursors(self, triples: list[list[int]]) -> None:
         self.cursors = {s: DataCursor(s, e, p) for s, e, p in triples}
@@ -218,7 +128,7 @@ class Replica(Actor):
     async def step(self, msg: _Step) -> None:
         if not self.running or not self.cursors:
             return  # nothing to train on until the runner hands a shard over
-        await self.sync.before(self.steps)
+        await self.sync.ready()
         batches = [self._next_indices() for _ in range(self.sync.steps_per_call(self.steps))]
         losses = await self.run_blocking(self._compute_many, batches)
         samples = sum(len(b) for b in batches)
@@ -226,7 +136,7 @@ class Replica(Actor):
         self.samples += samples
         self._loss_sum += sum(losses)
         self._loss_n += len(losses)
-        await self.sync.after(self.steps, samples)
+        await self.sync.sync(samples)
         if self.running:
             self._next_step()
 
@@ -267,7 +177,7 @@ class Replica(Actor):
         clip = self.spec.optimizer.clip_norm
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        self.sync.after_backward()
+        self.sync.step()
         return float(loss.detach())
 
     def _compute_tested(self, indices: np.ndarray) -> float:
@@ -301,13 +211,15 @@ class Replica(Actor):
         if after != before:
             log.info("replica %s: the norm test failed at epoch %.2f, batch size %d -> %d", self.name, self._epoch,
                      before, after)
-        self.sync.after_backward()
+        self.sync.step()
         return loss_sum
 
     async def on_stop(self) -> None:
         if self._reporter is not None:
             self._reporter.cancel()
             await asyncio.gather(self._reporter, return_exceptions=True)
+        if self._sync_built:
+            await self.sync.close()
 
     async def _report_forever(self) -> None:
         while self.running:
@@ -318,11 +230,12 @@ class Replica(Actor):
         if self._loss_n:
             self._last_loss = self._loss_sum / self._loss_n
             self._loss_sum, self._loss_n = 0.0, 0
+        stats = self.sync.stats()
         progress = Progress(
             self.name, self.incarnation, self.samples, self.steps, self._last_loss,
             [[c.shard, c.epoch, c.position] for c in self.cursors.values()],
-            self.bytes_pushed, self.bytes_pulled, self.pushes, self.dense_bytes_pushed,
-            list(link.versions) if (link := self._link()) else [], self.batch_size,
+            stats.bytes_pushed, stats.bytes_pulled, stats.pushes, stats.dense_bytes_pushed, stats.versions,
+            self.batch_size,
         )
         try:
             await self.coordinator.tell(progress)

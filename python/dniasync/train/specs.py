@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CodecSpec",
     "DataSpec",
+    "LocalSpec",
     "ModelSpec",
     "OptimizerSpec",
     "PSLinkSpec",
@@ -165,6 +166,12 @@ class PSLinkSpec:
     codec: CodecSpec = field(default_factory=CodecSpec)
 
 
+@message("dniasync.train.LocalSpec")
+@dataclass(frozen=True)
+class LocalSpec:
+    """No sharing: the trainer's own torch optimizer (Adam or SGD, from its optimizer settings) steps its weights."""
+
+
 @message("dniasync.train.SharedStoreSpec")
 @dataclass(frozen=True)
 class SharedStoreSpec:
@@ -183,7 +190,9 @@ class ReplicaSpec:
     optimizer: OptimizerSpec
     cursors: list[list[int]]
     """``[shard, epoch, position]`` of each data shard it starts on."""
-    sync: PSLinkSpec | SharedStoreSpec
+    sync: object
+    """How it shares its weights: the spec of any registered weight sync (:data:`dniasync.train.sync.SYNCS`),
+    e.g. :class:`PSLinkSpec` (Downpour) or :class:`SharedStoreSpec` (Hogwild)."""
     coordinator: str
     """Where its progress reports go (the job runner's address)."""
 

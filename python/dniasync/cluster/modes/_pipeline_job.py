@@ -27,7 +27,7 @@ import numpy as np
 from ...actors import ActorError, ActorRef, Directive
 from ...train.data import DataCursor
 from ...train.messages import Params, Progress, Pull, Reshard, ShardSnapshot, SnapshotShard
-from ...train.specs import CodecSpec, ShardSpec, StagesSpec
+from ...train.specs import CodecSpec, OptimizerSpec, PSLinkSpec, ShardSpec, StagesSpec
 from .._schema import ConfigError
 from ..config import Config
 from ..plan import data_spec, model_spec, optimizer_spec, schedule_spec
@@ -692,16 +692,18 @@ def _layer_state(state: Any) -> dict[str, Any]:
 async def host_stages(host: Host, spec: StagesSpec) -> list[ActorRef]:
     """On a worker node: build the model, cut it, spawn the stages ``spec`` assigns to this worker."""
     pipeline_module = await host.run_blocking(importlib.import_module, "dniasync.train.pipeline")  # torch: seconds
-    param_sync = importlib.import_module("dniasync.train.param_sync")
+    sync = importlib.import_module("dniasync.train.sync")
     settings = pipeline_module.StageSettings(**spec.settings)
     stages = await host.run_blocking(_build, spec, settings)
     refs = []
     for i, k in enumerate(spec.hosted):
         name = group_name(spec.pipeline, k, spec.replicas)
         params = None
-        if spec.replicas > 1:
-            params = param_sync.PSParams(stages[k].layers, [spec.ps[i]], replica=f"{name}@{host.system.node}",
-                                         n_fetch=spec.n_fetch, n_push=spec.n_push)
+        if spec.replicas > 1:  # the stage's replicas share its weights through its PS shard
+            link = PSLinkSpec([spec.ps[i]], [0], spec.n_fetch, spec.n_push)
+            optimizer = OptimizerSpec(settings.optimizer, settings.lr, momentum=settings.momentum)
+            params = sync.build_sync(link, stages[k].layers, sync.SyncContext(
+                f"{name}@{host.system.node}", time.time_ns() // 1000, optimizer, ask_timeout_s=30.0))
         refs.append(await host.spawn(pipeline_module.Stage, *stages[k].args(), **stages[k].kwargs(), params=params,
                                      name=name, mailbox_size=spec.mailbox_size, supervision=Directive.STOP))
     log.info("hosting layer groups %s of pipeline %d", spec.hosted, spec.pipeline)

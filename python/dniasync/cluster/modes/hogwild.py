@@ -38,7 +38,7 @@ class HogwildConfig(Section, frozen=True):
 class _HogwildJob(DataParallelJob):
     def __init__(self, config: Config, runner: JobRunner) -> None:
         from ... import _core
-        from ...train.replica import HOGWILD_SEGMENT
+        from ...train.sync import HOGWILD_SEGMENT
 
         super().__init__(config, runner)
         name = f"{config.job.name}-{os.getpid()}"

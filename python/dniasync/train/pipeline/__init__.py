@@ -7,7 +7,7 @@
   ``dni``/``cdni`` (synthetic gradients, :mod:`.synthetic`), ``sync``
   (GPipe) and the asynchronous real-gradient pipelines ``async``, ``stash``
   (PipeDream) and ``spectrain`` (:mod:`.rules.real`); a stage steps its weights through a
-  :class:`~dniasync.train.param_sync.ParamSync` (local, or PS shards);
+  :class:`~dniasync.train.sync.WeightSync` (local, or PS shards);
 - :class:`PipelineDriver` (:mod:`.driver`) feeds the first stage as its
   :class:`Schedule` says (its lr scaled down late in the run by
   :class:`LrDecay`), evaluates, drains and rewires;

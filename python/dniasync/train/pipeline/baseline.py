@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...actors import ActorRef, ActorSystem, Directive
-from ..param_sync import make_optimizer, set_lr
+from ..sync import make_optimizer, set_lr
 from .cut import build_stages
 from .driver import EvalPoint, PipelineDriver, TrainResult
 from .schedule import LrDecay, Schedule, batch_order

@@ -4,9 +4,9 @@ A :class:`Stage` receives ``h_{k-1}``, computes ``h_k`` and sends it
 downstream; gradients travel back upstream. What happens to a batch in
 between (update now from a synthetic gradient, keep the graph until the true
 gradient returns, ...) is its :class:`~dniasync.train.pipeline.rules.UpdateRule`'s
-decision; how the parameters are stepped (a local optimizer, or push and pull
-to PS shards shared with other replicas) is its
-:class:`~dniasync.train.param_sync.ParamSync`'s. The stage holds the layers,
+decision; how the parameters are stepped and shared (a local optimizer, or push and
+pull to PS shards shared with other replicas, ...) is its
+:class:`~dniasync.train.sync.WeightSync`'s. The stage holds the layers,
 the wiring, the cache of batches awaiting their gradient, the counters, the
 trace, and answers evaluation, state and stats requests.
 """
@@ -27,7 +27,8 @@ from torch import nn
 
 from ...actors import Actor, ActorRef, ActorStopped, handler
 from .. import telemetry
-from ..param_sync import LocalOptimizer, ParamSync, PSParams
+from ..specs import LocalSpec, OptimizerSpec
+from ..sync import SyncContext, WeightSync, build_sync
 from .protocol import (
     AdoptLayers,
     Connect,
@@ -101,7 +102,7 @@ class Stage(Actor):
         shape: StageShape,
         *,
         rule: UpdateRule | None = None,
-        params: ParamSync | None = None,
+        params: WeightSync | None = None,
         spare: Sequence[nn.Module] | None = None,
         first_layer: int = 0,
     ) -> None:
@@ -118,10 +119,10 @@ class Stage(Actor):
         self.rule = rule if rule is not None else make_rule(settings, shape)
         if self.rule.urgent_gradients:
             self.urgent_messages = (Gradient,)
-        self.params: ParamSync = (
-            params
-            if params is not None
-            else LocalOptimizer(layers.parameters(), settings.optimizer, settings.lr, momentum=settings.momentum)
+        self.params: WeightSync = params if params is not None else build_sync(
+            LocalSpec(), layers,
+            SyncContext(f"stage-{shape.index}", time.time_ns() // 1000,
+                        OptimizerSpec(settings.optimizer, settings.lr, momentum=settings.momentum), actor=self),
         )
         self.sg = self.rule.sg
         self.upstream: ActorRef | None = None
@@ -191,6 +192,7 @@ class Stage(Actor):
 
     async def on_stop(self) -> None:
         self._report_down(self.ref.address, "stopped")
+        await self.params.close()
 
     def keep(self, cache: OrderedDict[int, V], batch_id: int, value: V) -> None:
         """``cache[batch_id] = value``, evicting the oldest beyond the rule's ``cache_size`` (counted)."""
@@ -295,7 +297,7 @@ class Stage(Actor):
         elapsed = time.perf_counter() - started
         self.forward_seconds += elapsed
         self.clock.busy_seconds += elapsed
-        await self.params.sync()
+        await self.params.sync(0)  # the shards count no samples for a stage
 
     async def _loss_step(self, msg: Forward, h_in: torch.Tensor, logits: torch.Tensor) -> None:
         """The last stage: the loss gives the true gradient at once (a step's micro-batches accumulate)."""
@@ -338,7 +340,7 @@ class Stage(Actor):
             outcome = await self.rule.on_gradient(self, kept, msg)
         await self._apply(b, outcome)
         self.clock.busy_seconds += time.perf_counter() - started
-        await self.params.sync()
+        await self.params.sync(0)
 
     @handler
     async def raw_input(self, msg: RawInput) -> None:
@@ -346,7 +348,7 @@ class Stage(Actor):
         started = time.perf_counter()
         await self._apply(msg.batch_id, await self.rule.on_raw_input(self, msg))
         self.clock.busy_seconds += time.perf_counter() - started
-        await self.params.sync()
+        await self.params.sync(0)
 
     @handler
     async def evaluate(self, msg: EvalForward) -> EvalOutput:
@@ -374,6 +376,7 @@ class Stage(Actor):
     def stats(self, msg: StatsRequest) -> StageStats:
         sg, inputs = self.rule.sg, self.rule.input_model
         measured = self.rule.diagnostics()
+        params = self.params.stats()
         sg_loss, self._sg_seen = sg.mean_loss_since(self._sg_seen) if sg is not None else (float("nan"), 0)
         input_loss, self._input_seen = (
             inputs.mean_loss_since(self._input_seen) if inputs is not None else (float("nan"), 0)
@@ -388,15 +391,15 @@ class Stage(Actor):
             self.evictions,
             self.late_gradients,
             self.staleness_sum,
-            self.params.bytes_pushed,
-            self.params.bytes_pulled,
+            params.bytes_pushed,
+            params.bytes_pulled,
             *self.rule.stash_bytes(),
             self.first_layer,
             *self.clock.totals(),
             measured.get("estimate_error_ratio", math.nan),
             measured.get("prediction_error", math.nan),
             self.clock.busy_seconds,
-            self.params.lr * self.params.scale if isinstance(self.params, LocalOptimizer) else math.nan,
+            self.params.lr_now(),
         )
 
     @handler
@@ -421,15 +424,6 @@ class Stage(Actor):
     def n_layers(self) -> int:
         return len(self.layers)
 
-    def _optimizer(self) -> torch.optim.Optimizer | None:
-        """The local optimizer whose state moves with the layers (None: the PS shards hold it)."""
-        if isinstance(self.params, LocalOptimizer):
-            return self.params.optimizer
-        if isinstance(self.params, PSParams):
-            return None
-        raise RuntimeError(f"{self.ref.address}: its parameters are stepped by a {type(self.params).__name__}, "
-                           "which cannot take or give layers")
-
     def _reshape(self, layers: list[nn.Module], first_layer: int, in_dims: tuple[int, ...]) -> None:
         """Take ``layers`` (model indices from ``first_layer``) with inputs of ``in_dims`` as this stage's own."""
         self.layers = nn.Sequential(*layers)
@@ -449,8 +443,7 @@ class Stage(Actor):
         self.clock = LayerClock(self.layers, first_layer)
         self._kept.clear()
         self._parts_done.clear()
-        if isinstance(self.params, PSParams):
-            self.params = self.params.relinked(self.layers)  # pulls the shard's new slice before the next batch
+        self.params = self.params.relinked(self.layers)  # with PS shards: pulls the new slice before the next batch
 
     def _check_idle(self, what: str) -> None:
         if self._kept or self._parts_done:
@@ -462,7 +455,7 @@ class Stage(Actor):
         if side not in ("front", "back") or not 0 < count < len(layers):
             raise ValueError(f"{self.ref.address}: cannot release {count} of its {len(layers)} layers at {side!r} "
                              "(a stage keeps at least one)")
-        optimizer = self._optimizer()
+        optimizer = self.params.optimizer
         shapes = probe_shapes(self.layers, self.shape.in_dims)
         start = len(layers) - count if side == "back" else 0
         moving = {self.first_layer + j: layers[j] for j in range(start, start + count)}
@@ -483,7 +476,7 @@ class Stage(Actor):
         edge = self.first_layer - 1 if side == "front" else self.first_layer + len(self.layers)
         if side not in ("front", "back") or not bundle.indices or edge not in bundle.indices:
             raise ValueError(f"{self.ref.address}: layers {bundle.indices} do not border it at {side!r}")
-        optimizer = self._optimizer()
+        optimizer = self.params.optimizer
         modules = {i: self.spare[i] for i in bundle.indices}
         unpack_layers(dict(zip(bundle.names, bundle.tensors)), modules, optimizer)
         adopted = [modules[i] for i in bundle.indices]
@@ -495,8 +488,7 @@ class Stage(Actor):
     @handler
     async def flush_params(self, msg: FlushParams) -> StageStats:
         """Push the gradients accumulated since the last push (PS shards; a local optimizer has none)."""
-        if isinstance(self.params, PSParams):
-            await self.params.flush()
+        await self.params.flush()
         return self.stats(StatsRequest())
 
     @handler

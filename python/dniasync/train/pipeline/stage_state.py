@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...actors import message
+from ..sync import load_optimizer_tensors, optimizer_tensors
 
 if TYPE_CHECKING:
     from .stage import Stage
@@ -83,24 +84,11 @@ class RestoreStage:
 
 
 def _optimizer_tensors(prefix: str, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = {}
-    for index, slots in optimizer.state_dict()["state"].items():
-        for key, value in slots.items():
-            if isinstance(value, torch.Tensor):
-                out[f"{prefix}.{index}.{key}"] = value.detach().clone()
-            elif isinstance(value, (int, float)):
-                out[f"{prefix}.{index}.{key}"] = torch.tensor(float(value))
-    return out
+    return {f"{prefix}.{k}": v for k, v in optimizer_tensors(optimizer).items()}
 
 
 def _load_optimizer(prefix: str, optimizer: torch.optim.Optimizer, saved: dict[str, torch.Tensor]) -> None:
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for name, tensor in saved.items():
-        if name.startswith(prefix + "."):
-            index, key = name[len(prefix) + 1:].split(".", 1)
-            state.setdefault(int(index), {})[key] = tensor.clone()
-    current = optimizer.state_dict()
-    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+    load_optimizer_tensors(optimizer, _strip(prefix, saved))
 
 
 def _with_prefix(prefix: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -113,30 +101,21 @@ def _strip(prefix: str, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 def save_stage(stage: Stage) -> StageCheckpoint:
     """Everything ``stage`` has learned, as named tensors (call with its pipeline drained)."""
-    from ..param_sync import LocalOptimizer, PSParams
-
     out = _with_prefix("layers", stage.layers)
-    if isinstance(stage.params, PSParams):  # its PS shards hold (and checkpoint) the parameters: buffers only
+    if stage.params.pulls_params:  # e.g. its PS shards hold (and checkpoint) the parameters: buffers only
         for name, _ in stage.layers.named_parameters():
             del out[f"layers.{name}"]
-    if isinstance(stage.params, LocalOptimizer):
-        out.update(_optimizer_tensors("opt", stage.params.optimizer))
+    out.update({f"opt.{k}": v for k, v in stage.params.state_dict().items()})
     for prefix, model in (("sg", stage.rule.sg), ("input", stage.rule.input_model)):
         if model is not None:
             out.update(_with_prefix(prefix, model))
             out.update(_optimizer_tensors(f"{prefix}_opt", model.optimizer))
-    sg = stage.rule.sg
-    if sg is not None:
-        out["sg_agreement"] = torch.tensor([sg._dot, sg._pred_sq, sg._target_sq], dtype=torch.float64)
-    gaps = getattr(stage.rule, "_gaps", None)  # SpecTrain's
-    if gaps is not None:
-        out["version_gaps"] = torch.tensor(list(gaps), dtype=torch.float64)
+    out.update(stage.rule.state_tensors())
     return StageCheckpoint(stage.first_layer, len(stage.layers), list(out), list(out.values()))
 
 
 def load_stage(stage: Stage, first_layer: int, names: list[str], tensors: list[torch.Tensor]) -> None:
     """Put a :func:`save_stage` state back into ``stage`` (same layers); its rule starts afresh around it."""
-    from ..param_sync import LocalOptimizer, PSParams
     from .rules import make_rule
 
     if first_layer != stage.first_layer:
@@ -145,7 +124,7 @@ def load_stage(stage: Stage, first_layer: int, names: list[str], tensors: list[t
     saved = dict(zip(names, tensors, strict=True))
     layers = _strip("layers", saved)
     with torch.no_grad():
-        if isinstance(stage.params, PSParams):  # buffers only: the parameters come from the shards' next pull
+        if stage.params.pulls_params:  # buffers only: the parameters come from the shards' next pull
             missing, unexpected = stage.layers.load_state_dict(layers, strict=False)
             params = {name for name, _ in stage.layers.named_parameters()}
             if unexpected or set(missing) - params:
@@ -153,8 +132,7 @@ def load_stage(stage: Stage, first_layer: int, names: list[str], tensors: list[t
                                  f"(missing {sorted(set(missing) - params)}, unexpected {sorted(unexpected)})")
         else:
             stage.layers.load_state_dict(layers)
-    if isinstance(stage.params, LocalOptimizer):
-        _load_optimizer("opt", stage.params.optimizer, saved)
+    stage.params.load_state_dict(_strip("opt", saved))
     stage.rule = make_rule(stage.settings, stage.shape)
     stage.rule.connect(stage.upstream is not None)
     stage.sg = stage.rule.sg
@@ -163,12 +141,7 @@ def load_stage(stage: Stage, first_layer: int, names: list[str], tensors: list[t
             with torch.no_grad():
                 model.load_state_dict(_strip(prefix, saved))
             _load_optimizer(f"{prefix}_opt", model.optimizer, saved)
-    sg = stage.rule.sg
-    if sg is not None and "sg_agreement" in saved:
-        sg._dot, sg._pred_sq, sg._target_sq = (float(v) for v in saved["sg_agreement"])
-    gaps = getattr(stage.rule, "_gaps", None)
-    if gaps is not None and "version_gaps" in saved:
-        gaps.extend(int(v) for v in saved["version_gaps"])
+    stage.rule.load_state_tensors(saved)
     stage._sg_seen = stage._input_seen = 0  # positions in the old models' loss records
     stage._kept.clear()
     stage._parts_done.clear()

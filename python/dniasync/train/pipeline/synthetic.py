@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..param_sync import make_optimizer, set_lr
+from ..sync import make_optimizer, set_lr
 
 __all__ = ["AGREEMENT_DECAY", "SyntheticGradient", "SyntheticInput"]
 
@@ -152,6 +152,14 @@ class SyntheticGradient(_Regressor):
         self._dot = d * self._dot + float((pred * target).sum())
         self._pred_sq = d * self._pred_sq + float((pred * pred).sum())
         self._target_sq = d * self._target_sq + float((target * target).sum())
+
+    def agreement_tensor(self) -> torch.Tensor:
+        """The running agreement sums with the true gradients (dot, |M|², |g|²), as a checkpoint keeps them."""
+        return torch.tensor([self._dot, self._pred_sq, self._target_sq], dtype=torch.float64)
+
+    def load_agreement(self, sums: torch.Tensor) -> None:
+        """Continue from :meth:`agreement_tensor`'s sums."""
+        self._dot, self._pred_sq, self._target_sq = (float(v) for v in sums)
 
     @property
     def gain(self) -> float:

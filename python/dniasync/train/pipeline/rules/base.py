@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import torch
 from torch import nn
 
-from ...param_sync import ParamSync
+from ...sync import WeightSync
 from ..protocol import Forward, Gradient, RawInput
 from ..settings import StageSettings, StageShape
 from ..synthetic import SyntheticGradient, SyntheticInput
@@ -75,7 +75,7 @@ class StageContext(Protocol):
     layers: nn.Sequential
     last: bool
     steps: int
-    params: ParamSync
+    params: WeightSync
     upstream: Any
     """The stage upstream (None: the first stage, whose input needs no gradient)."""
 
@@ -167,6 +167,15 @@ class UpdateRule:
         (exported per stage, in its stats and the job's summary).
         """
         return {}
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """What else steers the rule's updates, for a checkpoint (the SG model's agreement: ``sg_agreement``)."""
+        return {"sg_agreement": self.sg.agreement_tensor()} if self.sg is not None else {}
+
+    def load_state_tensors(self, saved: Mapping[str, torch.Tensor]) -> None:
+        """Continue from :meth:`state_tensors` (``saved`` may hold other names: they are not the rule's)."""
+        if self.sg is not None and "sg_agreement" in saved:
+            self.sg.load_agreement(saved["sg_agreement"])
 
     async def after_forward(
         self, stage: StageContext, msg: Forward, h_in: torch.Tensor, h_out: torch.Tensor

@@ -35,7 +35,6 @@ from typing import ClassVar
 
 import torch
 
-from ...param_sync import LocalOptimizer
 from ..protocol import Forward, Gradient, RawInput
 from ..settings import StageSettings, StageShape
 from ..synthetic import SyntheticGradient, SyntheticInput
@@ -129,11 +128,12 @@ class DNIRule(UpdateRule):
         with torch.no_grad():
             grad = self.sg(h_out.detach(), labels)
         gain = self.sg.gain
-        if not isinstance(stage.params, LocalOptimizer):  # the shards' optimizer: scale the gradient of the layers
+        optimizer = stage.params.optimizer
+        if optimizer is None:  # the optimizer is applied elsewhere (PS shards): scale the gradient of the layers
             grad_in = stage.backward(h_in, h_out, grad, zero=True, step=False)
             stage.step_with({n: p.grad * gain for n, p in stage.layers.named_parameters() if p.grad is not None})
             return grad_in
-        groups = stage.params.optimizer.param_groups
+        groups = optimizer.param_groups
         lrs = [g["lr"] for g in groups]
         for g in groups:
             g["lr"] = g["lr"] * gain

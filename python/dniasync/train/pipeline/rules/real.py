@@ -62,7 +62,6 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ...param_sync import LocalOptimizer
 from ..protocol import Forward, Gradient
 from ..settings import StageSettings, StageShape
 from .base import Kept, Outcome, StageContext, TrueGradientRule
@@ -288,6 +287,14 @@ class SpecTrainRule(_RealGradientRule):
         if settings.optimizer == "sgd" and settings.momentum <= 0.0:
             raise ValueError("spectrain with the optimizer 'sgd' needs momentum > 0 (it predicts with the momentum)")
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {**super().state_tensors(), "version_gaps": torch.tensor(list(self._gaps), dtype=torch.float64)}
+
+    def load_state_tensors(self, saved: Mapping[str, torch.Tensor]) -> None:
+        super().load_state_tensors(saved)
+        if "version_gaps" in saved:
+            self._gaps.extend(int(v) for v in saved["version_gaps"])
+
     @property
     def gap(self) -> float:
         return sum(self._gaps) / len(self._gaps) if self._gaps else float(self.prior)
@@ -296,9 +303,9 @@ class SpecTrainRule(_RealGradientRule):
         gap = self.gap
         if stage.last or gap == 0.0:
             return None
-        if not isinstance(stage.params, LocalOptimizer):
-            raise RuntimeError("spectrain predicts from the stage's own optimizer: it needs pipeline.replicas = 1")
         optimizer = stage.params.optimizer
+        if optimizer is None:
+            raise RuntimeError("spectrain predicts from the stage's own optimizer: it needs pipeline.replicas = 1")
         predicted = await stage.run_blocking(predict_weights, stage.layers, optimizer, gap, self._buffers(msg))
         self._forwards += 1
         if self._probe is None and self._forwards % PROBE_EVERY == 0:

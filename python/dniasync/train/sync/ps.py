@@ -1,24 +1,24 @@
-"""How a trainer's parameters are stepped: a local torch optimizer, or push and pull to PS shards.
+"""Sharing weights through PS shards: push the accumulated gradient, pull the shards' parameters.
 
-Shared by Downpour replicas and replicated pipeline stages. :class:`ShardLink`
-is the push/pull client of one flat parameter vector cut into PS shards: it
-pulls every shard into a local buffer (recording each shard's version), and
-pushes an accumulated gradient to every shard, compressed by a codec of its
-own (its residual stays here), as idempotent
-``Push(replica, incarnation, seq, version, ...)`` messages. With a codec, pulls
-are compressed as well: each shard answers a ``PullDelta`` with a quantized
-delta the link adds to its buffer (a dense answer now and then, and whenever
-the link missed one: see :mod:`dniasync.train.ps`); the version recorded is the
-one of the state the answer brings the buffer to. A shard that fails
-a pull or a push is retried with exponential backoff (0.05 s doubling to 2 s),
-so a dead shard costs a few attempts per second, until it answers a pull (a
-tell to a node that is down may vanish without an error); its warnings are
-collapsed into one log line per interval with a count.
+:class:`ShardLink` is the push/pull client of one flat parameter vector cut
+into PS shards: it pulls every shard into a local buffer (recording each
+shard's version), and pushes an accumulated gradient to every shard,
+compressed by a codec of its own (its residual stays here), as idempotent
+``Push(replica, incarnation, seq, version, ...)`` messages. With a codec,
+pulls are compressed as well: each shard answers a ``PullDelta`` with a
+quantized delta the link adds to its buffer (a dense answer now and then, and
+whenever the link missed one: see :mod:`dniasync.train.ps`); the version
+recorded is the one of the state the answer brings the buffer to. A shard
+that fails a pull or a push is retried with exponential backoff (0.05 s
+doubling to 2 s), so a dead shard costs a few attempts per second, until it
+answers a pull (a tell to a node that is down may vanish without an error);
+its warnings are collapsed into one log line per interval with a count.
 
-A pipeline stage steps its layers through a :class:`ParamSync`:
-:class:`LocalOptimizer` (one replica: torch's Adam or SGD) or :class:`PSParams`
-(replicas share the weights through PS shards, pulled every ``n_fetch`` steps,
-the gradient pushed every ``n_push``).
+:class:`PSSync` is the weight sync over such a link, the same for Downpour
+replicas and replicated pipeline stages: the trainer's parameters are views
+of the link's buffer, a step adds the gradients to an accumulator (the shards
+run the optimizer), the accumulator is pushed every ``n_push`` steps and the
+shards pulled every ``n_fetch``; the first batch waits for a first pull.
 """
 
 from __future__ import annotations
@@ -26,56 +26,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..actors import ActorError, ActorRef, Backoff
-from .compression import CodecName, DeltaCodec, make_codec
-from .flat import FlatModel, flatten_parameters, split_ranges
-from .messages import Params, ParamsDelta, Pull, PullDelta, Push
+from ...actors import ActorError, ActorRef, Backoff
+from ..compression import CodecName, DeltaCodec, make_codec
+from ..flat import FlatModel, flatten_parameters, split_ranges
+from ..messages import Params, ParamsDelta, Pull, PullDelta, Push
+from ..specs import CodecSpec, PSLinkSpec
+from .base import Clock, SyncContext, SyncKind, SyncStats, register
 
-__all__ = [
-    "Backoff",
-    "CollapsedWarnings",
-    "LocalOptimizer",
-    "PSParams",
-    "ParamSync",
-    "ShardLink",
-    "make_optimizer",
-    "set_lr",
-]
+__all__ = ["CollapsedWarnings", "PSSync", "ShardLink"]
 
-log = logging.getLogger("dniasync.train.param_sync")
-
-Clock = Callable[[], float]
-
-
-def make_optimizer(
-    params: list[nn.Parameter], kind: str, lr: float, *, fused: bool = True, momentum: float = 0.0
-) -> torch.optim.Optimizer:
-    """torch's Adam or SGD (``momentum``: SGD's).
-
-    ``fused`` (the default): Adam runs as torch's single-kernel update. On the
-    CPU torch's default Adam loops over tensors op by op: 6.4 ms a step for a
-    784-1024-1024 stage against 1.1 ms fused (one thread, Zen 4), the same
-    update up to rounding. ``fused=False`` gives torch's default.
-    """
-    if kind == "adam":
-        return torch.optim.Adam(params, lr=lr, fused=fused or None)
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum)
-    raise ValueError(f"optimizer must be 'adam' or 'sgd', got {kind!r}")
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Every parameter group of ``optimizer`` steps with ``lr`` from its next step on."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+log = logging.getLogger("dniasync.train.sync.ps")
 
 
 @dataclass
@@ -243,110 +210,66 @@ class ShardLink:
         self.pushes += 1
 
 
-class ParamSync(Protocol):
-    """Steps a stage's parameters. ``zero_grad`` and ``step`` run on worker threads, the rest on the loop."""
-
-    @property
-    def bytes_pushed(self) -> int: ...
-
-    @property
-    def bytes_pulled(self) -> int: ...
-
-    def zero_grad(self) -> None: ...
-
-    def step(self) -> None:
-        """Apply (or set aside for the PS) the gradients in the parameters' ``.grad``."""
-
-    async def ready(self) -> None:
-        """Before a batch trains: the weights are the shared ones (a replica pulls once)."""
-
-    async def sync(self) -> None:
-        """After a message: push and pull as the steps taken since the last call require."""
-
-    def scale_lr(self, scale: float) -> None:
-        """Step with the configured lr times ``scale`` from now on (see :class:`~dniasync.train.pipeline.LrDecay`)."""
+_COUNTERS = ("bytes_pushed", "bytes_pulled", "dense_bytes_pushed", "dense_bytes_pulled", "pushes", "pulls",
+             "dense_pulls", "delta_pulls")
 
 
-class LocalOptimizer:
-    """The stage's own torch optimizer (Adam or SGD): nothing to push or pull."""
+class PSSync:
+    """A trainer's parameters shared with other trainers through PS shards (Downpour; replicated stages).
 
-    bytes_pushed = 0
-    bytes_pulled = 0
-
-    def __init__(self, params: Iterable[nn.Parameter], kind: str, lr: float, *, momentum: float = 0.0) -> None:
-        self.optimizer = make_optimizer(list(params), kind, lr, momentum=momentum)
-        self.lr = lr
-        """The configured learning rate (:meth:`scale_lr` scales it)."""
-        self.scale = 1.0
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def step(self) -> None:
-        self.optimizer.step()
-
-    async def ready(self) -> None:
-        return
-
-    async def sync(self) -> None:
-        return
-
-    def scale_lr(self, scale: float) -> None:
-        self.scale = scale
-        set_lr(self.optimizer, self.lr * scale)
-
-
-class PSParams:
-    """A replicated stage's parameters, shared with its other replicas through PS shards.
-
-    The layers' parameters become views of one flat buffer that pulls fill; a
+    ``model``'s parameters become views of one flat buffer that pulls fill; a
     step adds the gradients to an accumulator instead of applying them (the
     shards run the optimizer). Every ``n_push`` steps the accumulator is
-    pushed, every ``n_fetch`` steps the shards are pulled; the first batch
-    waits for a first pull, so a replica never trains on weights the shards
-    have not seen (unless they cannot be reached: then it starts from its own,
-    built from the same factory and seed, and keeps retrying).
+    pushed (with the samples it was computed on), every ``n_fetch`` steps the
+    shards are pulled; the first batch waits for a first pull, so a trainer
+    never pushes a gradient of weights the shards have not seen (unless they
+    cannot be reached: then it starts from its own, built from the same factory
+    and seed, and keeps retrying before each batch). A pull that does not reach
+    every shard is retried after every run of steps until it does (the link's
+    backoff spaces the attempts). ``offsets[i]`` starts shard i's slice (None:
+    the vector cut evenly).
     """
+
+    optimizer: torch.optim.Optimizer | None = None
+    pulls_params = True
 
     def __init__(
         self,
-        layers: nn.Module,
+        model: nn.Module,
         shards: Sequence[ActorRef],
         *,
-        replica: str,
+        name: str,
+        incarnation: int,
+        offsets: Sequence[int] | None = None,
         n_fetch: int = 1,
         n_push: int = 1,
-        incarnation: int | None = None,
-        codec: CodecName = "none",
-        ask_timeout_s: float = 30.0,
+        codec: CodecSpec = CodecSpec(),
+        ask_timeout_s: float = 10.0,
         clock: Clock = time.monotonic,
     ) -> None:
         if n_fetch < 1 or n_push < 1:
             raise ValueError(f"n_fetch and n_push must be >= 1, got {n_fetch} and {n_push}")
-        buffer = flatten_parameters(layers)
-        self.flat = FlatModel(layers, buffer)
-        self.link = ShardLink(
-            buffer, split_ranges(self.flat.n, len(shards)), shards, replica=replica,
-            incarnation=incarnation if incarnation is not None else time.time_ns() // 1000, codec=codec,
-            ask_timeout_s=ask_timeout_s, clock=clock,
-        )
+        buffer = flatten_parameters(model)
+        self.flat = FlatModel(model, buffer)
+        if offsets is None:
+            ranges = split_ranges(self.flat.n, len(shards))
+        else:
+            bounds = [*offsets, self.flat.n]
+            ranges = [(bounds[i], bounds[i + 1] - bounds[i]) for i in range(len(offsets))]
+        self.link = ShardLink(buffer, ranges, shards, replica=name, incarnation=incarnation,
+                              codec=codec.name, tau=codec.tau, block=codec.block,  # type: ignore[arg-type]
+                              delta_tau=codec.delta_tau, ask_timeout_s=ask_timeout_s, clock=clock)
         self.n_fetch = n_fetch
         self.n_push = n_push
-        self._replica, self._codec, self._ask_timeout_s, self._clock = replica, codec, ask_timeout_s, clock
+        self._name, self._codec, self._ask_timeout_s, self._clock = name, codec, ask_timeout_s, clock
         self.steps = 0
-        self._params = list(layers.parameters())
+        self._params = list(model.parameters())
         self._pending = 0
+        """Steps accumulated since the last push."""
+        self._samples_pending = 0
         self._steps_synced = 0
         self._since_fetch = 0
         self._pulled = False
-
-    @property
-    def bytes_pushed(self) -> int:
-        return self.link.bytes_pushed
-
-    @property
-    def bytes_pulled(self) -> int:
-        return self.link.bytes_pulled
 
     def zero_grad(self) -> None:
         for p in self._params:
@@ -357,10 +280,17 @@ class PSParams:
         self._pending += 1
         self.steps += 1
 
+    def steps_per_call(self, steps: int) -> int:
+        # a thread hop costs ~0.1 ms: run every step up to the next pull or push in one
+        return min(self.n_push - steps % self.n_push, self.n_fetch - steps % self.n_fetch)
+
     def scale_lr(self, scale: float) -> None:
         if scale != 1.0:
-            raise ValueError("the PS shards apply the optimizer of a replicated stage: its lr cannot be decayed "
-                             "from the stage")
+            raise ValueError("the PS shards apply the optimizer of a trainer that shares through them: its lr "
+                             "cannot be decayed from the trainer")
+
+    def lr_now(self) -> float:
+        return float("nan")
 
     async def _pull(self) -> None:
         if await self.link.pull():
@@ -371,33 +301,66 @@ class PSParams:
         if not self._pulled:
             await self._pull()
 
-    async def flush(self) -> None:
-        """Push what has accumulated since the last push now (before the shards are re-partitioned)."""
-        if self._pending:
-            await self.link.push(self.flat.grad.numpy(), 0)
-            self.flat.grad.zero_()
-            self._pending = 0
+    async def _push(self) -> None:
+        await self.link.push(self.flat.grad.numpy(), self._samples_pending)
+        self.flat.grad.zero_()
+        self._pending = self._samples_pending = 0
 
-    def relinked(self, layers: nn.Module) -> PSParams:
-        """The same link settings for ``layers`` (after layers moved in or out): a new incarnation that pulls its
-        shards' new slice before its first batch. Call :meth:`flush` first: accumulated gradients do not carry."""
-        fresh = PSParams(layers, self.link.shards, replica=self._replica, n_fetch=self.n_fetch, n_push=self.n_push,
-                         incarnation=max(self.link.incarnation + 1, time.time_ns() // 1000), codec=self._codec,
-                         ask_timeout_s=self._ask_timeout_s, clock=self._clock)
-        fresh.steps = fresh._steps_synced = self.steps
-        for counter in ("bytes_pushed", "bytes_pulled", "dense_bytes_pushed", "dense_bytes_pulled", "pushes", "pulls"):
-            setattr(fresh.link, counter, getattr(self.link, counter))
-        return fresh
-
-    async def sync(self) -> None:
+    async def sync(self, samples: int) -> None:
+        self._samples_pending += samples
         new_steps = self.steps - self._steps_synced
         self._steps_synced = self.steps
         if not new_steps:
             return
         if self._pending >= self.n_push:
-            await self.link.push(self.flat.grad.numpy(), 0)
-            self.flat.grad.zero_()
-            self._pending = 0
+            await self._push()
         self._since_fetch += new_steps
         if self._since_fetch >= self.n_fetch:
             await self._pull()
+
+    async def flush(self) -> None:
+        """Push what has accumulated since the last push now (before the shards are re-partitioned)."""
+        if self._pending:
+            await self._push()
+
+    def relinked(self, layers: nn.Module) -> PSSync:
+        """The same link settings for ``layers`` (after layers moved in or out): a new incarnation that pulls its
+        shards' new slice (cut evenly) before its first batch. Call :meth:`flush` first: accumulated gradients do
+        not carry."""
+        fresh = PSSync(layers, self.link.shards, name=self._name, n_fetch=self.n_fetch, n_push=self.n_push,
+                       incarnation=max(self.link.incarnation + 1, time.time_ns() // 1000), codec=self._codec,
+                       ask_timeout_s=self._ask_timeout_s, clock=self._clock)
+        fresh.steps = fresh._steps_synced = self.steps
+        for counter in _COUNTERS:
+            setattr(fresh.link, counter, getattr(self.link, counter))
+        return fresh
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Nothing: the shards hold (and checkpoint) the parameters and the optimizer."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        return
+
+    def stats(self) -> SyncStats:
+        link = self.link
+        return SyncStats(
+            link.bytes_pushed, link.bytes_pulled, link.dense_bytes_pushed, link.pushes, link.pulls,
+            list(link.versions),
+            {"dense_bytes_pulled": link.dense_bytes_pulled, "dense_pulls": link.dense_pulls,
+             "delta_pulls": link.delta_pulls},
+        )
+
+    async def close(self) -> None:
+        return
+
+
+def _build(spec: PSLinkSpec, model: nn.Module, ctx: SyncContext) -> PSSync:
+    return PSSync(model, spec.ps, name=ctx.name, incarnation=ctx.incarnation, offsets=spec.offsets,
+                  n_fetch=spec.n_fetch, n_push=spec.n_push, codec=spec.codec, ask_timeout_s=ctx.ask_timeout_s,
+                  clock=ctx.clock)
+
+
+register(SyncKind("ps", PSLinkSpec, _build, needs_ps=True, owns_optimizer=False,
+                  doc="Downpour: push the accumulated gradient every n_push steps, pull every n_fetch, to PS shards "
+                      "that run the optimizer (codec and residual on the pushes, quantized deltas down)"))

@@ -1,9 +1,13 @@
-"""Parameter sync: push/pull to PS shards (counters, versions, idempotent pushes), backoff and collapsed warnings."""
+"""Weight syncs: one contract suite over every registered kind, then the PS link's push/pull (counters, versions,
+idempotent pushes), backoff and collapsed warnings."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Coroutine
+import math
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -12,9 +16,152 @@ import torch
 from torch import nn
 
 from dniasync import Actor, ActorSystem, handler
-from dniasync.actors import ActorRef, ActorUnreachable
+from dniasync.actors import ActorRef, ActorUnreachable, Backoff
+from dniasync.train.flat import flatten_parameters
 from dniasync.train.messages import Params, Pull, Push
-from dniasync.train.param_sync import Backoff, CollapsedWarnings, LocalOptimizer, PSParams, ShardLink
+from dniasync.train.ps import PSShard
+from dniasync.train.specs import LocalSpec, OptimizerSpec, PSLinkSpec, SharedStoreSpec, ShardSpec
+from dniasync.train.sync import (
+    HOGWILD_SEGMENT,
+    SYNCS,
+    CollapsedWarnings,
+    LocalOptimizer,
+    PSSync,
+    ShardLink,
+    SyncContext,
+    SyncStats,
+    WeightSync,
+    build_sync,
+    sync_kind,
+)
+
+# -- the contract every registered sync keeps -----------------------------------------------------------------
+OPTIMIZER = OptimizerSpec("sgd", 0.1, momentum=0.0)
+Setup = Callable[[ActorSystem, nn.Module], contextlib.AbstractAsyncContextManager[object]]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+@contextlib.asynccontextmanager
+async def _local(system: ActorSystem, model: nn.Module) -> AsyncIterator[object]:
+    yield LocalSpec()
+
+
+@contextlib.asynccontextmanager
+async def _ps(system: ActorSystem, model: nn.Module) -> AsyncIterator[object]:
+    values = flatten_parameters(model)
+    half = values.size // 2
+    shards = [await system.spawn(PSShard, ShardSpec(i, offset, values[offset:end].copy(), OPTIMIZER),
+                                 name=f"ps-{i}")
+              for i, (offset, end) in enumerate([(0, half), (half, values.size)])]
+    yield PSLinkSpec(shards, [0, half], n_fetch=1, n_push=1)
+
+
+@contextlib.asynccontextmanager
+async def _shm(system: ActorSystem, model: nn.Module) -> AsyncIterator[object]:
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    values = flatten_parameters(model)
+    store = OPTIMIZER.store([(HOGWILD_SEGMENT, values.size)], shm_name=name)  # the job's copy owns the segment
+    store.write(HOGWILD_SEGMENT, values)
+    yield SharedStoreSpec(name)
+    del store
+
+
+SETUPS: dict[str, Setup] = {"local": _local, "ps": _ps, "shm": _shm}
+"""How to run each registered sync in one process: what its spec needs around it (PS shards, a store)."""
+
+
+async def _train(sync: WeightSync, model: nn.Module, steps: int) -> None:
+    """``steps`` SGD-able steps on a fixed batch, the way a trainer drives a sync."""
+    x, y = torch.linspace(-1, 1, 32).reshape(8, 4), torch.arange(8) % 2
+    done = 0
+    while done < steps:
+        await sync.ready()
+        run = sync.steps_per_call(done)
+        assert run >= 1
+        for _ in range(run):
+            sync.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+            sync.step()
+        done += run
+        await sync.sync(8 * run)
+
+
+def _weights(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+@contextlib.asynccontextmanager
+async def _built(kind: str) -> AsyncIterator[tuple[WeightSync, nn.Module, Callable[[], WeightSync]]]:
+    """A sync of ``kind`` over a fresh model, and a way to build another one of the same spec over another model."""
+    if kind not in SETUPS:
+        pytest.fail(f"the sync {kind!r} is registered but has no in-process setup in SETUPS: add one")
+    async with ActorSystem() as system, SETUPS[kind](system, _model()) as spec:
+        ctx = SyncContext("trainer-0", 1, OPTIMIZER)
+        model = _model()
+        sync = build_sync(spec, model, ctx)
+        yield sync, model, lambda: build_sync(spec, _model(), SyncContext("trainer-1", 2, OPTIMIZER))
+        await sync.close()
+
+
+@pytest.mark.parametrize("kind", sorted(SYNCS))
+async def test_every_sync_trains_its_model_and_says_who_owns_the_optimizer(kind: str) -> None:
+    registered = sync_kind(kind)
+    async with _built(kind) as (sync, model, _):
+        before = _weights(model)
+        await _train(sync, model, 4)
+        assert not torch.equal(_weights(model), before)  # the steps reached the weights the model trains with
+        assert (sync.optimizer is not None) == registered.owns_optimizer
+        assert math.isnan(sync.lr_now()) == registered.needs_ps
+        if sync.flat is not None:  # the parameters are views of the flat buffer
+            assert torch.equal(sync.flat.flat, _weights(model))
+
+
+@pytest.mark.parametrize("kind", sorted(SYNCS))
+async def test_every_sync_state_dict_loads_into_a_fresh_one(kind: str) -> None:
+    async with _built(kind) as (sync, model, another):
+        await _train(sync, model, 3)
+        state = sync.state_dict()
+        assert all(isinstance(t, torch.Tensor) for t in state.values())
+        fresh = another()
+        fresh.load_state_dict(state)
+        again = fresh.state_dict()
+        assert sorted(again) == sorted(state)
+        for name, tensor in state.items():
+            torch.testing.assert_close(again[name], tensor, msg=name)
+        await fresh.close()
+
+
+@pytest.mark.parametrize("kind", sorted(SYNCS))
+async def test_every_sync_counts_what_it_sent_and_received(kind: str) -> None:
+    registered = sync_kind(kind)
+    async with _built(kind) as (sync, model, _):
+        assert sync.stats() == SyncStats() or registered.needs_ps  # nothing counted before it trains (a PS pull aside)
+        await _train(sync, model, 3)
+        stats = sync.stats()
+        counters = (stats.bytes_pushed, stats.bytes_pulled, stats.dense_bytes_pushed, stats.pushes, stats.pulls)
+        assert all(isinstance(c, int) and c >= 0 for c in counters)
+        assert all(isinstance(v, int) for v in stats.versions)
+        assert all(isinstance(v, float | int) for v in stats.extra.values())
+        if registered.needs_ps:  # three steps: three pushes of both slices, a first pull and three more
+            assert (stats.pushes, stats.pulls) == (3, 8)
+            assert sync.flat is not None and stats.bytes_pushed == stats.dense_bytes_pushed == 3 * 4 * sync.flat.n
+            assert len(stats.versions) == 2 and min(stats.versions) == 3
+
+
+def test_the_registry_names_its_kinds_and_refuses_unknown_ones() -> None:
+    assert {"local", "ps", "shm"} <= set(SYNCS)
+    assert all(SYNCS[name].name == name for name in SYNCS)
+    with pytest.raises(ValueError, match="unknown weight sync 'nope'; known syncs: .*'ps'"):
+        sync_kind("nope")
+    with pytest.raises(ValueError, match="no weight sync is registered for a str"):
+        build_sync("ps", _model(), SyncContext("t", 1, OPTIMIZER))
+
+
+# -- the PS link ---------------------------------------------------------------------------------------------
 
 
 class RecordingShard(Actor):
@@ -94,7 +241,7 @@ async def test_dead_shard_is_retried_with_backoff_and_its_warnings_collapsed(cap
     buffer = np.zeros(4, dtype=np.float32)
     link = ShardLink(buffer, [(0, 4)], [ActorRef("ps-0@10.9.9.9:7000", dead)], replica="r0", incarnation=1,
                      clock=lambda: now[0])
-    caplog.set_level(logging.INFO, logger="dniasync.train.param_sync")
+    caplog.set_level(logging.INFO, logger="dniasync.train.sync.ps")
     for ms in range(20_000):  # a replica asking every millisecond for 20 s
         now[0] = ms / 1000
         assert not await link.pull()
@@ -121,7 +268,7 @@ async def test_only_an_answered_pull_ends_a_failed_push_run(caplog: pytest.LogCa
     dead = DeadShard()
     link = ShardLink(np.zeros(4, dtype=np.float32), [(0, 4)], [ActorRef("ps-0@10.9.9.9:7000", dead)],
                      replica="r0", incarnation=1, clock=lambda: now[0])
-    caplog.set_level(logging.INFO, logger="dniasync.train.param_sync")
+    caplog.set_level(logging.INFO, logger="dniasync.train.sync.ps")
     await link.push(np.ones(4, dtype=np.float32), samples=1)
     dead.up = True
     now[0] = 0.06
@@ -160,13 +307,13 @@ def test_collapsed_warnings_count_what_they_held_back(caplog: pytest.LogCaptureF
     ]
 
 
-async def test_ps_params_accumulate_steps_and_push_every_n_push() -> None:
+async def test_ps_sync_accumulates_steps_and_pushes_every_n_push() -> None:
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(3, 2))
     shard_values = np.full(8, 0.5, dtype=np.float32)
     async with ActorSystem() as system:
         shard = await system.spawn(RecordingShard, 0, shard_values, name="ps-0")
-        params = PSParams(layers, [shard], replica="g0", n_fetch=2, n_push=2, incarnation=5)
+        params = PSSync(layers, [shard], name="g0", n_fetch=2, n_push=2, incarnation=5)
         await params.ready()
         assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in layers.parameters())  # weights from the shard
         grads = []
@@ -175,11 +322,12 @@ async def test_ps_params_accumulate_steps_and_push_every_n_push() -> None:
             layers(torch.ones(1, 3)).sum().backward()  # type: ignore[no-untyped-call]
             grads.append(torch.cat([p.grad.reshape(-1) for p in layers.parameters() if p.grad is not None]))
             params.step()
-            await params.sync()
+            await params.sync(0)
         pushes = await shard.ask("received")
     assert [(p.replica, p.seq) for p in pushes] == [("g0", 1)]  # after step 2; step 3 waits for step 4
     np.testing.assert_allclose(pushes[0].payload.view(np.float32), (grads[0] + grads[1]).numpy())
-    assert (params.bytes_pushed, params.bytes_pulled) == (32, 64)  # one push; the first pull and one after step 2
+    stats = params.stats()
+    assert (stats.bytes_pushed, stats.bytes_pulled) == (32, 64)  # one push; the first pull and one after step 2
 
 
 def test_local_optimizer_steps_with_torch() -> None:
@@ -191,7 +339,7 @@ def test_local_optimizer_steps_with_torch() -> None:
     layer(torch.ones(1, 2)).sum().backward()  # type: ignore[no-untyped-call]
     opt.step()
     torch.testing.assert_close(layer.weight.detach(), before - 0.5)
-    assert (opt.bytes_pushed, opt.bytes_pulled) == (0, 0)
+    assert (opt.stats().bytes_pushed, opt.stats().bytes_pulled) == (0, 0)
     with pytest.raises(ValueError, match="'adam' or 'sgd'"):
         LocalOptimizer(layer.parameters(), "adagrad", lr=0.1)
 

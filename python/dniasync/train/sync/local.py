@@ -1,0 +1,137 @@
+"""No sharing: the trainer's own torch optimizer (Adam or SGD) steps its weights.
+
+The sync of a pipeline stage with one replica. It has no flat buffer (a
+stage's layers change on a regroup, and their optimizer state moves with
+them), pushes and pulls nothing, and its checkpoint is the optimizer's state
+(:func:`optimizer_tensors`, also used for a stage's SG and input models).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ..flat import FlatModel
+from ..specs import LocalSpec
+from .base import SyncContext, SyncKind, SyncStats, register
+
+__all__ = [
+    "LOCAL_STEPS_PER_CALL",
+    "LocalOptimizer",
+    "load_optimizer_tensors",
+    "make_optimizer",
+    "optimizer_tensors",
+    "set_lr",
+]
+
+LOCAL_STEPS_PER_CALL = 8
+"""Steps per thread hop when nothing is shared between them."""
+
+
+def make_optimizer(
+    params: list[nn.Parameter], kind: str, lr: float, *, fused: bool = True, momentum: float = 0.0
+) -> torch.optim.Optimizer:
+    """torch's Adam or SGD (``momentum``: SGD's).
+
+    ``fused`` (the default): Adam runs as torch's single-kernel update. On the
+    CPU torch's default Adam loops over tensors op by op: 6.4 ms a step for a
+    784-1024-1024 stage against 1.1 ms fused (one thread, Zen 4), the same
+    update up to rounding. ``fused=False`` gives torch's default.
+    """
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=lr, fused=fused or None)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum)
+    raise ValueError(f"optimizer must be 'adam' or 'sgd', got {kind!r}")
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every parameter group of ``optimizer`` steps with ``lr`` from its next step on."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """``optimizer``'s state as plain tensors named ``<param index>.<slot>`` (numbers as 0-d float tensors)."""
+    out = {}
+    for index, slots in optimizer.state_dict()["state"].items():
+        for key, value in slots.items():
+            if isinstance(value, torch.Tensor):
+                out[f"{index}.{key}"] = value.detach().clone()
+            elif isinstance(value, (int, float)):
+                out[f"{index}.{key}"] = torch.tensor(float(value))
+    return out
+
+
+def load_optimizer_tensors(optimizer: torch.optim.Optimizer, saved: dict[str, torch.Tensor]) -> None:
+    """Load :func:`optimizer_tensors` back (the parameter groups and their lr stay ``optimizer``'s own)."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in saved.items():
+        index, key = name.split(".", 1)
+        state.setdefault(int(index), {})[key] = tensor.clone()
+    current = optimizer.state_dict()
+    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+
+
+class LocalOptimizer:
+    """The trainer's own torch optimizer (Adam or SGD): nothing to push or pull."""
+
+    flat: FlatModel | None = None
+    pulls_params = False
+
+    def __init__(self, params: Iterable[nn.Parameter], kind: str, lr: float, *, momentum: float = 0.0) -> None:
+        self.optimizer: torch.optim.Optimizer = make_optimizer(list(params), kind, lr, momentum=momentum)
+        self.lr = lr
+        """The configured learning rate (:meth:`scale_lr` scales it)."""
+        self.scale = 1.0
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def steps_per_call(self, steps: int) -> int:
+        return LOCAL_STEPS_PER_CALL
+
+    async def ready(self) -> None:
+        return
+
+    async def sync(self, samples: int) -> None:
+        return
+
+    def scale_lr(self, scale: float) -> None:
+        self.scale = scale
+        set_lr(self.optimizer, self.lr * scale)
+
+    def lr_now(self) -> float:
+        return self.lr * self.scale
+
+    async def flush(self) -> None:
+        return
+
+    def relinked(self, layers: nn.Module) -> LocalOptimizer:
+        """Itself: the caller has moved the layers' parameters and state in or out of :attr:`optimizer`."""
+        return self
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return optimizer_tensors(self.optimizer)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        load_optimizer_tensors(self.optimizer, state)
+
+    def stats(self) -> SyncStats:
+        return SyncStats()
+
+    async def close(self) -> None:
+        return
+
+
+def _build(spec: LocalSpec, model: nn.Module, ctx: SyncContext) -> LocalOptimizer:
+    return LocalOptimizer(model.parameters(), ctx.optimizer.name, ctx.optimizer.lr, momentum=ctx.optimizer.momentum)
+
+
+register(SyncKind("local", LocalSpec, _build, needs_ps=False, owns_optimizer=True,
+                  doc="the trainer's own torch optimizer (Adam or SGD): nothing shared"))
