@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import copy
+import typing
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from dniasync.cluster.config import Config, ConfigError, load_config, parse_config
+from dniasync.cluster.config import SYNC_NEEDS_PS, Config, ConfigError, SyncName, load_config, parse_config
+from dniasync.cluster.mode_api import Mode
+from dniasync.cluster.modes import MODES
 from dniasync.cluster.modes.downpour import DownpourConfig
 from dniasync.cluster.modes.hogwild import HogwildConfig
 
@@ -237,3 +240,71 @@ def test_the_config_reference_is_generated_from_the_schema() -> None:
     assert (ROOT / "docs" / "config.md").read_text() == "\n".join(config_reference()) + "\n", (
         "docs/config.md is stale: python -m dniasync.cluster.config > docs/config.md"
     )
+
+
+# ------------------------------------------------------------------ [sync] and what a mode declares
+
+
+@pytest.mark.parametrize(("mode", "kind", "needs_ps"), [("downpour", "ps", True), ("hogwild", "shm", False)])
+def test_a_config_without_sync_runs_the_modes_own(mode: str, kind: str, needs_ps: bool) -> None:
+    config = parse_config(base(mode))
+    assert (config.sync_kind, config.sync_needs_ps) == (kind, needs_ps)
+    assert "sync" not in config.to_dict()
+
+
+def test_sync_keys_are_checked_and_round_trip() -> None:
+    raw = with_(with_(base(), "sync.kind", "ps"), "sync.local_steps", 4)
+    config = parse_config(with_(raw, "sync.outer_momentum", 0.5))
+    assert (config.sync.local_steps, config.sync.outer_lr, config.sync.outer_momentum) == (4, 0.7, 0.5)
+    assert config.to_dict()["sync"] == {"kind": "ps", "local_steps": 4, "outer_momentum": 0.5}
+    assert parse_config(config.to_dict()) == config
+    for dotted, value, message in [
+        ("sync.kind", "shm", "'sync.kind' is 'shm'; mode 'downpour', as configured, runs with 'ps'"),
+        ("sync.kind", "gossip", "'sync.kind' is 'gossip'; choose one of 'local', 'ps', 'shm', 'p2p'"),
+        ("sync.local_steps", 0, "'sync.local_steps' must be at least 1, got 0"),
+        ("sync.outer_momentum", 1.0, "'sync.outer_momentum' must be < 1.0"),
+        ("sync.fanout", 2, "'sync.fanout' applies only when sync.kind is 'p2p' \\(it is 'ps'\\)"),
+        ("sync.max_lag", 4, "'sync.max_lag' applies only when sync.kind is 'p2p'"),
+        ("sync.kinds", "ps", "did you mean 'kind'"),
+    ]:
+        with pytest.raises(ConfigError, match=message) as err:
+            parse_config(with_(base(), dotted, value))
+        assert err.value.key == dotted
+
+
+class _Unscheduled:
+    """A mode as registered, except that it does not honour [schedule]."""
+
+    schedules = False
+
+    def __init__(self, mode: Mode) -> None:
+        self._mode = mode
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._mode, name)
+
+
+def test_schedule_on_a_mode_that_does_not_take_it_names_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    raw = with_(base("hogwild"), "schedule", {"kind": "stepwise", "end": 64})
+    assert parse_config(raw).schedule.kind == "stepwise"
+    monkeypatch.setitem(MODES, "hogwild", _Unscheduled(MODES["hogwild"]))
+    with pytest.raises(ConfigError, match="'\\[schedule\\]' does not apply to job.mode 'hogwild': that mode does not "
+                                          "honour a batch-size schedule") as err:
+        parse_config(raw)
+    assert err.value.key == "schedule"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_example_runs_a_sync_the_config_knows(path: Path) -> None:
+    config = load_config(path, resolve=False)
+    kinds = MODES[config.mode].syncs(config.settings)
+    assert config.sync_kind == kinds[0] and set(kinds) <= set(typing.get_args(SyncName))
+    assert SYNC_NEEDS_PS[config.sync_kind] == (MODES[config.mode].processes(config)[0] > 0)
+
+
+def test_the_sync_names_mirror_the_train_side_registry() -> None:
+    from dniasync.train.sync import SYNCS
+
+    for name, kind in SYNCS.items():
+        assert name in SYNC_NEEDS_PS, f"train.sync registers {name!r}: add it to cluster.config's SyncName"
+        assert SYNC_NEEDS_PS[name] == kind.needs_ps, name

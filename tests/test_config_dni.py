@@ -95,7 +95,7 @@ def test_former_dni_mode_names_point_to_pipeline() -> None:
         ("pipeline.sg_fit_rows", -1, "pipeline.sg_fit_rows", "at least 0"),
         ("pipeline.sg_fit_rows", 17, "pipeline.sg_fit_rows", "more than data.batch_size = 16"),
         ("pipeline.micro_batches", 2, "pipeline.micro_batches", "applies only when pipeline.method is 'sync'"),
-        ("pipeline.n_fetch", 2, "pipeline.n_fetch", "applies only when pipeline.replicas > 1"),
+        ("pipeline.n_fetch", 2, "pipeline.n_fetch", "applies only with PS shards .* sync.kind is 'local'"),
         ("pipeline.replicas", 0, "pipeline.replicas", "at least 1"),
         ("pipeline.replicas", 1001, "pipeline.replicas", "more than data.n_train"),
         ("pipeline.placement", [0, 1], "pipeline.placement", "2 entries for 3 groups"),
@@ -103,7 +103,7 @@ def test_former_dni_mode_names_point_to_pipeline() -> None:
         ("pipeline.placement", [0, -1, 1], "pipeline.placement", ">= 0"),
         ("optimizer.name", "adagrad", "optimizer.name", "stages train with 'adam', 'sgd', 'momentum'"),
         ("optimizer.clip_norm", 1.0, "optimizer.clip_norm", "does not apply in mode 'pipeline'"),
-        ("optimizer.weight_decay", 0.1, "optimizer.weight_decay", "does not apply in mode 'pipeline' with pipeline.replicas = 1"),
+        ("optimizer.weight_decay", 0.1, "optimizer.weight_decay", "does not apply in mode 'pipeline' with sync.kind 'local'"),
         ("model", {"factory": "torch.nn:Identity"}, "model.factory", "returns a Identity; mode 'pipeline' cuts an nn.Sequential"),
         ("downpour", {"n_replicas": 2}, "downpour", "does not apply: job.mode is 'pipeline'"),
     ],
@@ -140,3 +140,22 @@ def test_replicated_groups_take_any_ps_optimizer() -> None:
     raw = with_(with_(base(), "pipeline.replicas", 2), "optimizer", {"name": "adagrad", "lr": 0.05})
     config = parse_config(with_(raw, "pipeline.n_push", 2))
     assert (config.optimizer.name, config.settings.n_push, config.settings.n_workers) == ("adagrad", 2, 6)
+
+
+def test_the_pipeline_sync_follows_its_replicas() -> None:
+    """One pipeline trains alone (`local`); replicated pipelines share through PS shards (`ps`) unless told."""
+    alone = parse_config(base())
+    assert (alone.sync_kind, alone.sync_needs_ps, alone.to_dict().get("sync")) == ("local", False, None)
+    replicated = with_(base(), "pipeline.replicas", 2)
+    assert (parse_config(replicated).sync_kind, parse_config(replicated).sync_needs_ps) == ("ps", True)
+    explicit = parse_config(with_(replicated, "sync.kind", "ps"))
+    assert explicit.sync_kind == "ps" and parse_config(explicit.to_dict()) == explicit
+    with pytest.raises(ConfigError, match="'sync.kind' is 'ps'; mode 'pipeline', as configured, runs with 'local'") as err:
+        parse_config(with_(base(), "sync.kind", "ps"))
+    assert err.value.key == "sync.kind"
+    with pytest.raises(ConfigError, match="'p2p' is not wired into pipeline stages yet") as err:
+        parse_config(with_(replicated, "sync.kind", "p2p"))
+    assert err.value.key == "sync.kind"
+    with pytest.raises(ConfigError, match="'pipeline.lr_decay' does not apply with sync.kind 'ps'") as err:
+        parse_config(with_(replicated, "pipeline.lr_decay", "linear"))
+    assert err.value.key == "pipeline.lr_decay"

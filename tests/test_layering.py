@@ -36,3 +36,16 @@ def loaded_by(package: str) -> set[str]:
 ])
 def test_a_layer_loads_nothing_above_it(package: str, forbidden: set[str]) -> None:
     assert loaded_by(package) & forbidden == set()
+
+
+def test_the_mode_contract_loads_no_mode() -> None:
+    """``cluster/mode_api.py`` is the leaf every mode, the registry and the config loader stand on."""
+    probe = ("import json, sys, dniasync.cluster.mode_api; "
+             "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('dniasync', 'torch')))))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    loaded = set(json.loads(done.stdout))
+    assert "dniasync.cluster.mode_api" in loaded
+    assert {m for m in loaded if m == "dniasync.cluster.modes" or m.startswith("dniasync.cluster.modes.")} == set()
+    assert {m for m in loaded if m.split(".")[0] == "torch"} == set()
+    assert loaded & {"dniasync.cluster.config", "dniasync.cluster.job", "dniasync.cluster.hosts"} == set()

@@ -21,13 +21,14 @@ import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, ClassVar, Final, Literal
 
 from msgspec import Meta
 
 from dniasync.train.data import BUILTIN_DATASETS, DatasetError, count_examples, dataset_kind
 
 from ._schema import ConfigError, KeyProblem, Section, convert_section, reference, to_table, unknown_key
+from .modes import MODES, RENAMED, get_mode
 
 __all__ = [
     "CheckpointConfig",
@@ -42,6 +43,7 @@ __all__ = [
     "ScheduleConfig",
     "Section",
     "StopConfig",
+    "SyncConfig",
     "config_reference",
     "load_config",
     "parse_config",
@@ -57,7 +59,7 @@ Fraction = Annotated[float, Meta(ge=0.0, lt=1.0)]
 class JobConfig(Section, frozen=True):
     """What runs and where its results go."""
 
-    mode: Annotated[str, Meta(description="the training method: one of the modes (`downpour`, `hogwild`, `pipeline`)")]
+    mode: Annotated[str, Meta(description="the training method: one of the modes, each with its own section below")]
     name: Annotated[str, Meta(description="letters, digits, `_ . -`")] = "dniasync-job"
     seed: Annotated[int, Meta(ge=0, description="model init, split, shard order")] = 0
     output_dir: Annotated[str, Meta(description="where the summary JSON and PNG go (default `runs/<name>`)")] | None = None
@@ -221,11 +223,8 @@ class RegroupConfig(Section, frozen=True):
         "finds best for it instead of `pipeline.groups` (which still gives the number of stages)"))] = False
 
 
-SCHEDULED_MODES: Final = ("downpour", "hogwild", "pipeline", "sandblaster")
-
-
 class ScheduleConfig(Section, frozen=True):
-    """Batch-size schedule (modes `downpour`, `hogwild`, `pipeline`, `sandblaster`): the mini-batch grows as training goes; lr unchanged.
+    """Batch-size schedule (the modes that honour it are listed below): the mini-batch grows as training goes; lr unchanged.
 
     Sandblaster's batch is the sample L-BFGS takes its loss on: the first examples of the training set, in
     whole portions, growing between iterations; its epochs count the examples of every batch gradient."""
@@ -248,10 +247,38 @@ class ScheduleConfig(Section, frozen=True):
     test_every: Annotated[int, Meta(ge=1, description="dynamic: test every this many batches (of each worker)")] = 10
 
 
+SyncName = Literal["local", "ps", "shm", "p2p"]
+"""The weight syncs (``sync.kind``); the names of :data:`dniasync.train.sync.SYNCS`."""
+
+SYNC_NEEDS_PS: Final[dict[str, bool]] = {"local": False, "ps": True, "shm": False, "p2p": False}
+"""Whether a sync runs PS shards: ``SyncKind.needs_ps`` of :data:`dniasync.train.sync.SYNCS`, mirrored here because
+that registry imports torch and parsing a config must not (``tests/test_config.py`` checks the two agree)."""
+
+
+class SyncConfig(Section, frozen=True):
+    """How the trainers share their weights, and the outer optimizer of local steps (DiLoCo)."""
+
+    kind_only: ClassVar[dict[str, tuple[str, ...]]] = {"fanout": ("p2p",), "max_lag": ("p2p",)}
+    """key -> the kinds it applies to (checked against the kind in force, written or the mode's default)."""
+
+    kind: Annotated[SyncName, Meta(description=(
+        "`local` (each trainer steps its own optimizer, nothing shared), `ps` (push gradients to and pull "
+        "parameters from PS shards), `shm` (one shared store on one machine, updated in place: Hogwild) or `p2p` "
+        "(no PS: peers send each other their quantized updates); default: the one the mode runs with its settings. "
+        "A kind the mode does not take is an error naming those it does"))] | None = None
+    local_steps: Annotated[int, Meta(ge=1, description=(
+        "inner steps between two exchanges (DiLoCo's H): the weights' change over them is shared as a "
+        "pseudo-gradient; 1: share as the kind does at every step"))] = 1
+    outer_lr: Annotated[float, Meta(gt=0.0, description="the outer (Nesterov) step's lr on the shared pseudo-gradient")] = 0.7
+    outer_momentum: Annotated[float, Meta(ge=0.0, lt=1.0, description="the outer step's Nesterov momentum")] = 0.9
+    fanout: Annotated[int, Meta(ge=0, description="peers each update goes to (gossip); 0: every peer")] = 0
+    max_lag: Annotated[int, Meta(ge=1, description="a peer this many updates behind takes a dense copy")] = 16
+
+
 _COMMON: Final[dict[str, type[Section]]] = {
     "job": JobConfig, "model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
     "stop": StopConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "regroup": RegroupConfig,
-    "schedule": ScheduleConfig,
+    "schedule": ScheduleConfig, "sync": SyncConfig,
 }
 _REQUIRED: Final = ("job", "model", "data")
 
@@ -271,6 +298,7 @@ class Config:
     checkpoint: CheckpointConfig
     regroup: RegroupConfig = RegroupConfig()
     schedule: ScheduleConfig = ScheduleConfig()
+    sync: SyncConfig = SyncConfig()
 
     @property
     def mode(self) -> str:
@@ -283,9 +311,17 @@ class Config:
     @property
     def n_data_shards(self) -> int:
         """How many disjoint training shards (one per replica, worker or pipeline)."""
-        from .modes import get_mode
-
         return get_mode(self.mode).data_shards(self.settings)
+
+    @property
+    def sync_kind(self) -> str:
+        """The weight sync the trainers use: ``sync.kind``, or the one the mode runs with its settings."""
+        return self.sync.kind or get_mode(self.mode).syncs(self.settings)[0]
+
+    @property
+    def sync_needs_ps(self) -> bool:
+        """The weight sync in force runs PS shards."""
+        return SYNC_NEEDS_PS[self.sync_kind]
 
     def to_dict(self) -> dict[str, Any]:
         """TOML-shaped plain data, defaults left out; ``parse_config`` of it gives an equal config."""
@@ -294,12 +330,10 @@ class Config:
             "optimizer": to_table(self.optimizer), self.mode: to_table(self.settings),
             "stop": to_table(self.stop), "eval": to_table(self.eval), "checkpoint": to_table(self.checkpoint),
         }
-        regroup = to_table(self.regroup)
-        if regroup:
-            out["regroup"] = regroup
-        schedule = to_table(self.schedule)
-        if schedule:
-            out["schedule"] = schedule
+        for name, section in (("regroup", self.regroup), ("schedule", self.schedule), ("sync", self.sync)):
+            table = to_table(section)
+            if table:
+                out[name] = table
         return out
 
 
@@ -316,8 +350,6 @@ def parse_config(raw: Mapping[str, Any], *, resolve: bool = True) -> Config:
     and counts the data set's examples, to check shard counts and split sizes
     against them; without, only the config's own consistency is checked.
     """
-    from .modes import MODES, RENAMED, get_mode
-
     known = (*_COMMON, *MODES, "node")  # [node] belongs to the node CLI (listen, token, ...)
     for name in raw:
         if name in RENAMED:
@@ -340,10 +372,12 @@ def parse_config(raw: Mapping[str, Any], *, resolve: bool = True) -> Config:
         checkpoint=convert_section("checkpoint", _table(raw, "checkpoint"), CheckpointConfig),
         regroup=convert_section("regroup", _table(raw, "regroup"), RegroupConfig),
         schedule=convert_section("schedule", _table(raw, "schedule"), ScheduleConfig),
+        sync=convert_section("sync", _table(raw, "sync"), SyncConfig),
     )
-    if "schedule" in raw and job.mode not in SCHEDULED_MODES:
-        raise ConfigError(f"section '[schedule]' applies to job.mode {', '.join(map(repr, SCHEDULED_MODES))}, "
-                          f"not {job.mode!r}", "schedule")
+    if "schedule" in raw and not mode.schedules:
+        raise ConfigError(f"section '[schedule]' does not apply to job.mode {job.mode!r}: that mode does not honour a "
+                          "batch-size schedule (it trains on data.batch_size throughout)", "schedule")
+    _check_sync(config, raw)
     start = config.schedule.start or config.data.batch_size
     if config.schedule.kind != "fixed" and config.schedule.end < start:
         raise ConfigError(f"'schedule.end' is {config.schedule.end}, below the first batch size {start}",
@@ -365,11 +399,23 @@ def parse_config(raw: Mapping[str, Any], *, resolve: bool = True) -> Config:
     return config
 
 
+def _check_sync(config: Config, raw: Mapping[str, Any]) -> None:
+    """``sync.kind`` must be one the mode takes; the kind-specific keys must fit the kind in force."""
+    kinds = get_mode(config.mode).syncs(config.settings)
+    kind = config.sync.kind
+    if kind is not None and kind not in kinds:
+        raise ConfigError(f"'sync.kind' is {kind!r}; mode {config.mode!r}, as configured, runs with "
+                          f"{' or '.join(map(repr, kinds))}", "sync.kind")
+    given = raw.get("sync", {})
+    for key, applies in SyncConfig.kind_only.items():
+        if key in given and config.sync_kind not in applies:
+            raise ConfigError(f"'sync.{key}' applies only when sync.kind is {' or '.join(map(repr, applies))} "
+                              f"(it is {config.sync_kind!r})", f"sync.{key}")
+
+
 def _resolve(config: Config) -> None:
     """Check the config against the model it builds and the data it names."""
     from dniasync.train.models import ModelFactoryError, build_model, check_kwargs, resolve_factory
-
-    from .modes import get_mode
 
     spec, kwargs = config.model.factory, config.model.kwargs
     try:
@@ -412,14 +458,16 @@ def load_config(path: str | Path, *, resolve: bool = True) -> Config:
 
 def config_reference() -> Iterator[str]:
     """The Markdown reference of every section and key (``docs/config.md``)."""
-    from .modes import MODES
-
+    notes = {"schedule": "Honoured by job.mode " + ", ".join(f"`{m.name}`" for m in MODES.values() if m.schedules) + "."}
     yield "# Job config reference"
     yield ""
     yield "Generated from the schema by `python -m dniasync.cluster.config`; do not edit by hand."
     yield ""
     for name, cls in _COMMON.items():
         yield from reference(name, cls)
+        if name in notes:
+            yield notes[name]
+            yield ""
     for name, mode in MODES.items():
         yield from reference(name, mode.settings)
 

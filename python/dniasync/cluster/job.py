@@ -5,7 +5,7 @@ job has: placing the PS shards the mode asks for, answering the hosts that
 join, the evaluation schedule, the stop rules, the run report, the status
 reply and failure handling. What differs between modes — what a worker hosts,
 how training starts, how weights are taken for evaluation, how samples are
-counted — is the mode's :class:`~dniasync.cluster.modes.ModeJob`.
+counted — is the mode's :class:`~dniasync.cluster.mode_api.ModeJob`.
 
 Its state survives the failure of anything it talks to: a failed ask is an
 event in the run, never a reset of the lifecycle. Evaluations run in a task
@@ -29,7 +29,8 @@ from ..train.checkpoint import LoadedCheckpoint
 from ..train.messages import Progress
 from . import durable
 from .config import Config
-from .modes import JobFailed, ModeJob, Snapshot, get_mode
+from .mode_api import JobFailed, ModeJob, Snapshot
+from .modes import get_mode
 from .protocol import Assignment, JobStatus, JobStatusReply, JoinJob, NoJob, Ready
 from .report import RunReport
 from .shards import ShardKeeper

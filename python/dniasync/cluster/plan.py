@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..train.schedules import ScheduleSpec
 from ..train.specs import CodecSpec, DataSpec, ModelSpec, OptimizerSpec
-from .config import Config
+
+if TYPE_CHECKING:
+    from .config import Config
 
 __all__ = ["codec_spec", "data_spec", "model_spec", "optimizer_spec", "schedule_spec"]
 

@@ -21,7 +21,7 @@ from typing import Final
 from ..actors import ActorError, ActorRef
 from ..train.messages import ShardSnapshot, SnapshotShard
 from ..train.specs import ShardResume, ShardSpec
-from .modes import JobFailed
+from .mode_api import JobFailed
 from .protocol import Assignment, JoinJob, NoJob
 from .report import EVENT_PS_RESTARTED
 

@@ -22,19 +22,18 @@ from ...actors import ActorError, ActorRef, Directive
 from ...train.data import DataCursor
 from ...train.messages import Fence, Progress, Shards, StopTraining
 from ...train.specs import PSLinkSpec, ReplicaSpec, SharedStoreSpec
-from ..config import Config
+from ..mode_api import Snapshot
 from ..plan import data_spec, model_spec, optimizer_spec
 from ..protocol import Assignment, JoinJob, NoJob, Ready
 from ..report import EVENT_BATCH_SIZE, EVENT_REPLICA_FAILED, EVENT_REPLICA_JOINED, EVENT_SHARD_REASSIGNED, RunReport
-from . import Snapshot
 
 if TYPE_CHECKING:
     from torch import nn
 
     from ...train.checkpoint import LoadedCheckpoint, Part
-
+    from ..config import Config
     from ..hosts import Host
-    from ..job import JobRunner
+    from ..mode_api import Runner
 
 __all__ = ["FIRST_PROGRESS_GRACE_S", "WORKER_HOST", "DataParallelJob", "host_replica", "replica_name"]
 
@@ -80,7 +79,7 @@ class DataParallelJob:
 
     warm_start_steps = 0
 
-    def __init__(self, config: Config, runner: JobRunner) -> None:
+    def __init__(self, config: Config, runner: Runner) -> None:
         import torch
 
         from ...train.flat import FlatModel, flatten_parameters

@@ -21,7 +21,7 @@ goes back to the capture's. The semantics are those of a rollback: the
 model continues from the capture as if the batches after it had never been
 trained, and those batches are driven again, in the same order; each batch
 of the data order is in the final model exactly once (with PS shards,
-``replicas > 1``, the pushes a rolled-back pipeline made after its capture
+``sync.kind = "ps"``, the pushes a rolled-back pipeline made after its capture
 stay in the shards: at least once there). The samples trained after the
 capture are lost work, at most one capture interval's worth per fault,
 reported in the ``pipeline_restored`` event. A pipeline whose stages are not
@@ -40,7 +40,7 @@ import numpy as np
 
 from ...actors import ActorError, ActorRef, AskTimeout
 from ...train.data import DataCursor
-from . import JobFailed
+from ..mode_api import JobFailed
 
 if TYPE_CHECKING:
     from ...train.checkpoint import LoadedCheckpoint, Part
@@ -195,7 +195,7 @@ class PipelineDurability:
             raise JobFailed("this checkpoint holds no pipeline stages (written before the first capture, or without "
                             "[checkpoint] every_seconds): the job cannot be resumed from it", EVENT_RESUME_REFUSED)
         groups = [list(g) for g in meta["groups"]]
-        if job.p.replicas > 1 and groups != [list(g) for g in job.p.groups]:
+        if job.config.sync_needs_ps and groups != [list(g) for g in job.p.groups]:
             raise JobFailed(f"the checkpoint's split {split_text(groups)} differs from pipeline.groups; replicated "
                             "stages resume only on their configured split", EVENT_RESUME_REFUSED)
         job.groups = groups

@@ -29,11 +29,10 @@ from ...train.data import DataCursor
 from ...train.messages import Params, Progress, Pull, Reshard, ShardSnapshot, SnapshotShard
 from ...train.specs import CodecSpec, OptimizerSpec, PSLinkSpec, ShardSpec, StagesSpec
 from .._schema import ConfigError
-from ..config import Config
+from ..mode_api import JobFailed, Snapshot
 from ..plan import data_spec, model_spec, optimizer_spec, schedule_spec
 from ..protocol import Assignment, JoinJob, NoJob, Ready
 from ..report import EVENT_BATCH_SIZE, RunReport
-from . import JobFailed, Snapshot
 from ._pipeline_durable import PipelineDurability
 from .downpour import record_ps_stats
 
@@ -41,11 +40,11 @@ if TYPE_CHECKING:
     import torch
 
     from ...train.checkpoint import LoadedCheckpoint, Part
-
     from ...train.pipeline import PipelineDriver, StageStats
     from ...train.schedules import BatchSchedule, CursorSizes
+    from ..config import Config
     from ..hosts import Host
-    from ..job import JobRunner
+    from ..mode_api import Runner
     from .pipeline import PipelineConfig
 
 __all__ = ["EVENT_GROUP_FAILED", "PipelineJob", "group_name", "host_stages"]
@@ -82,7 +81,7 @@ def group_name(pipeline: int, group: int, replicas: int) -> str:
 class PipelineJob:
     """Places the stages of every pipeline on the workers that join, then drives and evaluates them."""
 
-    def __init__(self, config: Config, runner: JobRunner) -> None:
+    def __init__(self, config: Config, runner: Runner) -> None:
         import torch
 
         from ...train.flat import flatten_parameters
@@ -149,8 +148,8 @@ class PipelineJob:
 
         p, opt = self.p, self.config.optimizer
         settings = StageSettings(
-            rule=p.method, lr=opt.lr, optimizer="sgd" if opt.name in ("sgd", "momentum") else "adam",  # replicas: the PS
-            momentum=opt.momentum if opt.name == "momentum" and p.replicas == 1 else 0.0,  # applies it
+            rule=p.method, lr=opt.lr, optimizer="sgd" if opt.name in ("sgd", "momentum") else "adam",  # with PS shards
+            momentum=opt.momentum if opt.name == "momentum" and not self.config.sync_needs_ps else 0.0,  # they apply it
             max_in_flight=p.max_in_flight, num_classes=self.num_classes, cache_size=max(64, 2 * p.max_in_flight, 2 * p.micro_batches),
             sg_hidden_layers=p.sg_hidden_layers, sg_hidden_width=p.sg_hidden_width, sg_lr=p.sg_lr,
             sg_fit_rows=p.sg_fit_rows, synthetic_inputs=p.synthetic_inputs,
@@ -189,7 +188,7 @@ class PipelineJob:
             raise ConfigError(f"'pipeline.method': {e}", "pipeline.method") from None
 
     def ps_shards(self) -> list[Any]:
-        if self.p.replicas == 1:
+        if not self.config.sync_needs_ps:
             return []
         opt = optimizer_spec(self.config)
         return [ShardSpec(k, 0, buffer.copy(), opt, CodecSpec()) for k, buffer in enumerate(self.eval_buffers)]
@@ -456,13 +455,13 @@ class PipelineJob:
             return
         driver = self.drivers[0]
         sizes = self._layer_sizes()
-        if self.p.replicas > 1 and any(sum(sizes[i] for i in g) == 0 for g in proposal.groups):
+        if self.config.sync_needs_ps and any(sum(sizes[i] for i in g) == 0 for g in proposal.groups):
             regrouper.hold(loop.time())  # a stage without parameters would leave its PS shard empty
             return
         old = self.groups
         async with self._regroup_lock:
             started = time.perf_counter()
-            if self.p.replicas > 1:
+            if self.config.sync_needs_ps:  # every pipeline parks while the shards take their new slices
                 moves = await self._regroup_replicated(old, proposal.groups)
             else:
                 moves = await driver.regroup(old, proposal.groups)
@@ -552,14 +551,14 @@ class PipelineJob:
         try:
             for r in range(len(self.drivers)):
                 await self._quiet_stats(r)
-            if self.p.replicas == 1:
+            if not self.config.sync_needs_ps:  # the weights are the stages'
                 if 0 in self.durability.recovering and capture is not None:  # the weights it is going back to
                     return Snapshot([merge_stage_states(capture.groups, [_layer_state(s) for s in capture.states])])
                 async with self._regroup_lock:  # the states and the split they belong to, together
                     states = await self.drivers[0].states()
                     return Snapshot([merge_stage_states(self.groups, states)])
         except PipelineBroken:
-            if not self.durability.enabled or capture is None or self.p.replicas > 1:
+            if not self.durability.enabled or capture is None or self.config.sync_needs_ps:
                 raise
             # broken, about to roll back to its capture: those are the weights it trains on next
             return Snapshot([merge_stage_states(capture.groups, [_layer_state(s) for s in capture.states])])
@@ -612,7 +611,7 @@ class PipelineJob:
 
         assert isinstance(weights, list), "a pipeline's snapshot is the model's state dict"
         with torch.no_grad():  # replicated stages: parameters only (buffers are not in PS shards)
-            self.eval_model.load_state_dict(weights[0], strict=self.p.replicas == 1)
+            self.eval_model.load_state_dict(weights[0], strict=not self.config.sync_needs_ps)
 
     # -- ending ---------------------------------------------------------------------
     async def stop(self, reason: str) -> None:

@@ -20,8 +20,8 @@ from ...actors import ActorError, ActorRef, Directive
 from ...train.messages import Params, Pull, ShardStats
 from ...train.specs import PSLinkSpec, ReplicaSpec, ShardSpec
 from .._schema import ConfigError, KeyProblem, Section
+from ..mode_api import Hoster, Snapshot
 from ..plan import codec_spec
-from . import Hoster, Snapshot
 from ._data_parallel import DataParallelJob, host_replica
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from ..config import Config
     from ..hosts import Host
-    from ..job import JobRunner
+    from ..mode_api import Runner
     from ..report import RunReport
 
 __all__ = ["DOWNPOUR", "DownpourConfig", "record_ps_stats"]
@@ -97,7 +97,7 @@ async def host_shard(host: Host, spec: ShardSpec) -> list[ActorRef]:
 
 
 class _DownpourJob(DataParallelJob):
-    def __init__(self, config: Config, runner: JobRunner) -> None:
+    def __init__(self, config: Config, runner: Runner) -> None:
         from ...train.flat import split_ranges
 
         super().__init__(config, runner)
@@ -139,9 +139,13 @@ class _Downpour:
     shards_key = "downpour.n_replicas"
     worker_kind = "replica"
     member_kind = "replica"
+    schedules = True
 
     def data_shards(self, settings: DownpourConfig) -> int:
         return settings.n_replicas
+
+    def syncs(self, settings: DownpourConfig) -> tuple[str, ...]:
+        return ("ps",)
 
     def check(self, config: Config, raw: Mapping[str, Any]) -> None:
         return
@@ -161,7 +165,7 @@ class _Downpour:
         return [f"  bytes pushed       {doc.get('bytes_pushed', 0):,} (codec {config.settings.codec})",
                 f"  bytes pulled       {doc.get('bytes_pulled', 0):,}"]
 
-    def job(self, config: Config, runner: JobRunner) -> _DownpourJob:
+    def job(self, config: Config, runner: Runner) -> _DownpourJob:
         return _DownpourJob(config, runner)
 
     def hosters(self) -> dict[type, Hoster]:

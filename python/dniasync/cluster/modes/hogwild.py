@@ -15,7 +15,7 @@ from msgspec import Meta
 
 from ...train.specs import ReplicaSpec, SharedStoreSpec
 from .._schema import Section
-from . import Hoster, Snapshot
+from ..mode_api import Hoster, Snapshot
 from ._data_parallel import DataParallelJob, host_replica
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ...train.checkpoint import LoadedCheckpoint, Part
 
     from ..config import Config
-    from ..job import JobRunner
+    from ..mode_api import Runner
 
 __all__ = ["HOGWILD", "HogwildConfig"]
 
@@ -36,7 +36,7 @@ class HogwildConfig(Section, frozen=True):
 
 
 class _HogwildJob(DataParallelJob):
-    def __init__(self, config: Config, runner: JobRunner) -> None:
+    def __init__(self, config: Config, runner: Runner) -> None:
         from ... import _core
         from ...train.sync import HOGWILD_SEGMENT
 
@@ -80,9 +80,13 @@ class _Hogwild:
     shards_key = "hogwild.n_workers"
     worker_kind = "worker"
     member_kind = "replica"
+    schedules = True
 
     def data_shards(self, settings: HogwildConfig) -> int:
         return settings.n_workers
+
+    def syncs(self, settings: HogwildConfig) -> tuple[str, ...]:
+        return ("shm",)
 
     def check(self, config: Config, raw: Mapping[str, Any]) -> None:
         return
@@ -96,7 +100,7 @@ class _Hogwild:
     def summary_lines(self, config: Config, doc: Mapping[str, Any]) -> list[str]:
         return []
 
-    def job(self, config: Config, runner: JobRunner) -> _HogwildJob:
+    def job(self, config: Config, runner: Runner) -> _HogwildJob:
         return _HogwildJob(config, runner)
 
     def hosters(self) -> dict[type, Hoster]:

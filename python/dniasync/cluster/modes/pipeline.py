@@ -5,9 +5,9 @@ stages, each hosted by a :class:`~dniasync.train.pipeline.Stage` actor in a
 worker process. ``method`` is the update rule every stage follows (DNI and
 cDNI: synthetic gradients; ``sync``: the synchronous GPipe-style baseline;
 ``async``, ``stash``, ``spectrain``: asynchronous 1F1B pipelines with real
-gradients). With ``replicas = 1`` each stage trains with ``[optimizer]``
-locally (``adam``, ``sgd`` or ``momentum``; ``lr`` and ``momentum`` only); with ``replicas > 1`` (DNI x Downpour) every stage
-has one PS shard that applies ``[optimizer]`` to the pushes of its replicas.
+gradients). With ``replicas = 1`` (``sync.kind = "local"``) each stage trains with ``[optimizer]``
+locally (``adam``, ``sgd`` or ``momentum``; ``lr`` and ``momentum`` only); with ``replicas > 1`` and the ``ps`` sync
+(DNI x Downpour, the default) every stage has one PS shard that applies ``[optimizer]`` to the pushes of its replicas.
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from msgspec import Meta
 
 from .._schema import ConfigError, KeyProblem, Section
-from . import Hoster
+from ..mode_api import Hoster
 
 if TYPE_CHECKING:
     from torch import nn
 
     from ..config import Config
-    from ..job import JobRunner
-    from . import ModeJob
+    from ..mode_api import ModeJob, Runner
 
 __all__ = ["PIPELINE", "PipelineConfig"]
 
@@ -75,8 +74,8 @@ class PipelineConfig(Section, frozen=True):
         "the lr at the end, as a fraction of the configured one"))] = 0.0
     replicas: Annotated[int, Meta(ge=1, description=(
         "pipelines, each on its own data shard; more than one is DNI x Downpour"))] = 1
-    n_fetch: Annotated[int, Meta(ge=1, description="with replicas > 1: a stage pulls its parameters every n_fetch steps")] = 1
-    n_push: Annotated[int, Meta(ge=1, description="with replicas > 1: ... and pushes its gradient every n_push steps")] = 1
+    n_fetch: Annotated[int, Meta(ge=1, description="with PS shards: a stage pulls its parameters every n_fetch steps")] = 1
+    n_push: Annotated[int, Meta(ge=1, description="with PS shards: ... and pushes its gradient every n_push steps")] = 1
     placement: Annotated[tuple[int, ...], Meta(description=(
         "the worker (0, 1, ...) hosting each stage of a pipeline (default one worker per stage); every worker from 0 "
         "to the largest must host a stage. Worker processes: (largest + 1) x replicas"))] | None = None
@@ -99,12 +98,6 @@ class PipelineConfig(Section, frozen=True):
                 raise KeyProblem("placement", f"'{{key}}' leaves workers {unused} without a group; number workers "
                                               "0, 1, ... in use")
 
-    def check_given(self, given: frozenset[str]) -> None:
-        if self.replicas == 1:
-            for key in ("n_fetch", "n_push"):
-                if key in given:
-                    raise KeyProblem(key, "'{key}' applies only when pipeline.replicas > 1 (DNI x Downpour)")
-
     @property
     def group_workers(self) -> tuple[int, ...]:
         """The worker (within one pipeline) that hosts each group."""
@@ -126,9 +119,13 @@ class _Pipeline:
     shards_key = "pipeline.replicas"
     worker_kind = "layer-group worker"
     member_kind = "layer group"
+    schedules = True
 
     def data_shards(self, settings: PipelineConfig) -> int:
         return settings.replicas
+
+    def syncs(self, settings: PipelineConfig) -> tuple[str, ...]:
+        return ("local",) if settings.replicas == 1 else ("ps", "p2p")  # one pipeline has no one to share with
 
     def check(self, config: Config, raw: Mapping[str, Any]) -> None:
         p: PipelineConfig = config.settings
@@ -144,25 +141,35 @@ class _Pipeline:
             raise ConfigError("'optimizer.clip_norm' does not apply in mode 'pipeline'", "optimizer.clip_norm")
         if config.regroup.enabled and len(p.groups) < 2:
             raise ConfigError("'regroup.enabled' needs at least 2 stages in pipeline.groups", "regroup.enabled")
-        if p.replicas > 1:
+        kind = config.sync_kind
+        if kind == "p2p":
+            raise ConfigError("'sync.kind' 'p2p' is not wired into pipeline stages yet (they link to PS shards or "
+                              "train alone); use 'ps' for replicated pipelines", "sync.kind")
+        if not config.sync_needs_ps:
+            for key in ("n_fetch", "n_push"):
+                if key in raw.get("pipeline", {}):
+                    raise ConfigError(f"'pipeline.{key}' applies only with PS shards (sync.kind 'ps', with "
+                                      f"pipeline.replicas > 1); sync.kind is {kind!r}", f"pipeline.{key}")
+        else:
             if p.lr_decay != "none":
-                raise ConfigError("'pipeline.lr_decay' needs pipeline.replicas = 1: with replicas the PS shards apply "
+                raise ConfigError(f"'pipeline.lr_decay' does not apply with sync.kind {kind!r}: the PS shards apply "
                                   "the optimizer", "pipeline.lr_decay")
             if p.method.startswith("spectrain"):
-                raise ConfigError("'pipeline.method' spectrain predicts from each stage's own optimizer: it needs "
-                                  "pipeline.replicas = 1", "pipeline.method")
+                raise ConfigError("'pipeline.method' spectrain predicts from each stage's own optimizer: it does not "
+                                  f"apply with sync.kind {kind!r}, where the PS shards apply it", "pipeline.method")
             return
         # each stage steps its own torch optimizer: only its name, lr and (SGD's) momentum apply
         if opt.name not in LOCAL_OPTIMIZERS:
             raise ConfigError(
                 f"'optimizer.name' is {opt.name!r}; stages train with {', '.join(map(repr, LOCAL_OPTIMIZERS))} "
-                "(any optimizer with pipeline.replicas > 1, where PS shards apply it)", "optimizer.name")
+                "(any optimizer with PS shards, which apply it: sync.kind 'ps' with pipeline.replicas > 1)",
+                "optimizer.name")
         if p.method.startswith("spectrain") and opt.name == "sgd":
             raise ConfigError("'optimizer.name' is 'sgd'; spectrain predicts with the momentum: use 'momentum' "
                               "(SGD with momentum, as in the paper) or 'adam'", "optimizer.name")
         for key in ("weight_decay", "betas", "eps"):
             if key in given:
-                raise ConfigError(f"'optimizer.{key}' does not apply in mode 'pipeline' with pipeline.replicas = 1 "
+                raise ConfigError(f"'optimizer.{key}' does not apply in mode 'pipeline' with sync.kind {kind!r} "
                                   "(stages use the optimizer's name, lr and momentum only)", f"optimizer.{key}")
 
     def resolve(self, config: Config, model: nn.Module) -> None:
@@ -183,7 +190,7 @@ class _Pipeline:
 
     def processes(self, config: Config) -> tuple[int, int]:
         p: PipelineConfig = config.settings
-        return (len(p.groups) if p.replicas > 1 else 0), p.n_workers  # a PS shard per stage only with replicas
+        return (len(p.groups) if config.sync_needs_ps else 0), p.n_workers  # a PS shard per stage
 
     def summary_lines(self, config: Config, doc: Mapping[str, Any]) -> list[str]:
         p: PipelineConfig = config.settings
@@ -212,7 +219,7 @@ class _Pipeline:
                              f"is scaled by min(1, 1/{metrics[key]:.2f}²))")
         return lines
 
-    def job(self, config: Config, runner: JobRunner) -> ModeJob:
+    def job(self, config: Config, runner: Runner) -> ModeJob:
         from ._pipeline_job import PipelineJob
 
         return PipelineJob(config, runner)

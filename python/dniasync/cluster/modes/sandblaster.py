@@ -26,9 +26,9 @@ from ...actors import ActorError, ActorRef, Directive
 from ...train.messages import StopTraining
 from ...train.sandblaster import Fetch, SandblasterReplicaSpec, SandblasterShardSpec, Slice
 from .._schema import ConfigError, Section
+from ..mode_api import Hoster, JobFailed, Snapshot
 from ..plan import data_spec, model_spec, schedule_spec
 from ..protocol import Assignment, JoinJob, NoJob, Ready
-from . import Hoster, JobFailed, Snapshot
 from ._data_parallel import replica_name
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from ...train.messages import Progress
     from ..config import Config
     from ..hosts import Host
-    from ..job import JobRunner
+    from ..mode_api import Runner
     from ..report import RunReport
 
 __all__ = ["SANDBLASTER", "SandblasterConfig", "COORDINATOR_NAME", "PARAMS_FILE"]
@@ -103,7 +103,7 @@ async def host_replica(host: Host, spec: SandblasterReplicaSpec) -> list[ActorRe
 
 
 class _SandblasterJob:
-    def __init__(self, config: Config, runner: JobRunner) -> None:
+    def __init__(self, config: Config, runner: Runner) -> None:
         import torch
 
         from ...train.flat import FlatModel, flatten_parameters, split_ranges
@@ -282,9 +282,13 @@ class _Sandblaster:
     shards_key = "sandblaster.n_replicas"
     worker_kind = "replica"
     member_kind = "replica"
+    schedules = True
 
     def data_shards(self, settings: SandblasterConfig) -> int:
         return 1  # every replica reads the whole training set; the work queue splits it
+
+    def syncs(self, settings: SandblasterConfig) -> tuple[str, ...]:
+        return ("ps",)  # the L-BFGS vector operations run on the PS shards
 
     def check(self, config: Config, raw: Mapping[str, Any]) -> None:
         s: SandblasterConfig = config.settings
@@ -313,7 +317,7 @@ class _Sandblaster:
                 *([f"  sample             {doc.get('sample_size', 0):,} examples (iteration:size "
                    f"{doc['sample_sizes']})"] if "," in str(doc.get("sample_sizes", "")) else [])]
 
-    def job(self, config: Config, runner: JobRunner) -> _SandblasterJob:
+    def job(self, config: Config, runner: Runner) -> _SandblasterJob:
         return _SandblasterJob(config, runner)
 
     def hosters(self) -> dict[type, Hoster]:
