@@ -7,8 +7,12 @@ import math
 import re
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +67,8 @@ def test_status_endpoint_lists_members_and_series(page: tuple[str, Path]) -> Non
     assert status["history"][-1]["accuracy"] > 0.5
     assert status["series"][-1]["samples_per_s"] > 0
     assert sum(status["staleness"]["counts"]) > 0
+    # Downpour's panels: the PS's staleness, bytes and staleness histogram
+    assert [p["key"] for p in status["panels"]] == ["samples", "staleness", "bytes", "staleness_histogram"]
 
 
 def test_charts_draw_data_in_headless_chromium(page: tuple[str, Path]) -> None:
@@ -120,6 +126,18 @@ def test_page_shows_a_dni_job_and_its_layer_groups(tmp_path: Path) -> None:
         assert len(gaps) == 2 and float(gaps[0]) >= 0.0, status["job"]
         assert math.isfinite(float(errors[0])) and errors[1] == "-", status["job"]
         assert status["job"]["stage_stash_bytes"] == "0 | 0"
+        # the pipeline's own panels (no PS here: none of Downpour's), charted per stage
+        assert [p["key"] for p in status["panels"]] == ["samples", "stage_version_gap", "stage_busy"]
+        deadline = time.monotonic() + 60
+        while not any(isinstance(p.get("stage_busy_ms"), list) and len(p["stage_busy_ms"]) == 2
+                      and all(v is not None and v > 0 for v in p["stage_busy_ms"]) for p in status["series"]):
+            assert time.monotonic() < deadline, status["series"][-5:]
+            time.sleep(0.5)
+            status = json.loads(fetch(f"http://{address}/api/status"))
+        assert all("staleness_mean" not in p for p in status["series"])
+        # the launcher's progress bar counts the job's members in its mode's own word
+        bars = [line for line in cluster.output().splitlines() if "samples/s |" in line]
+        assert bars and all(re.search(r"\| layer groups \d/2 \|", line) for line in bars), bars
 
         if shutil.which("chromium"):
             done = chromium(tmp_path, "--dump-dom", f"http://{address}/")
@@ -129,5 +147,77 @@ def test_page_shows_a_dni_job_and_its_layer_groups(tmp_path: Path) -> None:
                 assert name in done.stdout
             assert "stage 0: layers 0-1" in done.stdout and "stage 1: layers 2-4" in done.stdout
             assert "version gap" in done.stdout and "estimate error" in done.stdout
+            for series in ("stage_version_gap-0", "stage_busy_ms-0", "stage_busy_ms-1"):
+                assert re.search(rf'data-series="{series}" data-points="[1-9]', done.stdout), series
+            assert 'id="chart-staleness"' not in done.stdout and 'id="chart-bytes"' not in done.stdout
     finally:
         cluster.stop()
+
+
+def serve_page(status: dict[str, Any]) -> tuple[ThreadingHTTPServer, str]:
+    """The live page's own HTML, fed ``status`` as ``/api/status`` (no cluster: what the page draws from it)."""
+    html = resources.files("dniasync.node").joinpath("live.html").read_bytes()
+    body = json.dumps(status).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            data, kind = (html, "text/html") if self.path == "/" else (body, "application/json")
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"127.0.0.1:{server.server_address[1]}"
+
+
+def y_ticks(dom: str, chart: str) -> list[str]:
+    svg = re.search(rf'<svg [^>]*id="{chart}"[^>]*>(.*?)</svg>', dom, re.S)
+    assert svg, f"no {chart} in the page"
+    return re.findall(r'class="axis y-tick"[^>]*>([^<]*)<', svg.group(1))
+
+
+def test_a_pipeline_page_draws_its_modes_panels_with_distinct_ticks(tmp_path: Path) -> None:
+    from dniasync.cluster.modes.pipeline import STAGE_PANELS
+    from dniasync.cluster.panels import SAMPLES
+
+    need("chromium", "chromium")
+    t = [float(i) for i in range(1, 9)]
+    status = {
+        "node": "127.0.0.1:1", "role": "coordinator", "updated": 1.0, "peers": {}, "members": [],
+        "job": {"name": "p", "mode": "pipeline", "state": "training", "wall_s": 8.0, "samples": 800, "epochs": 1.0,
+                "max_epochs": 10, "accuracy": 0.9688, "loss": 0.1, "samples_per_s": 100.0, "member_kind": "stage",
+                "split": "0-1 | 2-4"},
+        "replicas": {"stage-0@a": "alive", "stage-1@b": "alive"},
+        # accuracy between 95.1% and 96.9%: a tick every half point, which whole numbers would label 95, 95, 96, ...
+        "history": [{"wall_s": x, "samples": 100 * i, "accuracy": 0.9512 + 0.0176 * i / 7, "loss": 0.1}
+                    for i, x in enumerate(t)],
+        "series": [{"t": x, "samples_per_s": 3000 + 10 * i, "stage_version_gap": [1.5 + 0.01 * i, 0.0],
+                    "stage_busy_ms": [30.0 + i, None if i == 3 else 28.0]} for i, x in enumerate(t)],
+        "panels": [asdict(p) for p in (SAMPLES, *STAGE_PANELS)],
+        "staleness": {"buckets": ["0", "+Inf"], "counts": [0, 0]},
+    }
+    server, address = serve_page(status)
+    try:
+        done = chromium(tmp_path, "--dump-dom", f"http://{address}/")
+    finally:
+        server.shutdown()
+    assert done.returncode == 0, done.stderr[-2000:]
+    dom = done.stdout
+    for chart in ("chart-accuracy", "chart-loss", "chart-samples", *(f"chart-{p.key}" for p in STAGE_PANELS)):
+        ticks = y_ticks(dom, chart)
+        assert len(ticks) >= 2 and len(set(ticks)) == len(ticks), (chart, ticks)
+    assert y_ticks(dom, "chart-accuracy") == ["95.0", "95.5", "96.0", "96.5", "97.0"]
+    assert y_ticks(dom, "chart-samples") == ["0", "1k", "2k", "3k", "4k"]
+    # the pipeline's own panels, one line per stage; none of Downpour's (staleness, bytes, histogram)
+    for series in ("stage_version_gap-0", "stage_version_gap-1", "stage_busy_ms-0", "stage_busy_ms-1"):
+        assert re.search(rf'data-series="{series}" data-points="[1-9]', dom), series
+    assert re.search(r'data-series="stage_busy_ms-1" data-points="7"', dom)  # the gap is left out
+    shown = dom[dom.index("<main>"):dom.index("</main>")]
+    assert "Staleness" not in shown and "waiting for data" not in shown and "no pushes yet" not in shown, shown
+    assert '<h2 style="margin-top:12px" id="replicas-title">Stages</h2>' in shown

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ._schema import Section
     from .config import Config
     from .hosts import Host
+    from .panels import Panel
     from .protocol import Assignment, JoinJob, NoJob, Ready
     from .report import RunReport
 
@@ -195,6 +196,10 @@ class Mode(Protocol):
 
     def summary_lines(self, config: Config, doc: Mapping[str, Any]) -> list[str]:
         """Mode-specific lines of the launcher's closing summary."""
+
+    def panels(self, config: Config) -> tuple[Panel, ...]:
+        """The live page's charts of this job beside accuracy, loss and samples/s (:mod:`~dniasync.cluster.panels`:
+        lines over the job's figures, which include the numbers in its ``extra()``)."""
 
     def job(self, config: Config, runner: Runner) -> ModeJob:
         """The coordinator-side part (runs on a worker thread: it may build models and load data)."""

@@ -3,11 +3,13 @@
 No external service, no CDN, no build step: the page is hand-written HTML,
 JS and inline SVG, and polls the JSON endpoint once a second. The series it
 charts come from the same state the node's ``/metrics`` reads: the training
-coordinator's job status and eval history, the replicas' byte counts it
-receives, and the PS shards' staleness histograms (asked for each sample).
-A DNI job shows the same way: its layer groups take the replicas' place, and
-the staleness histogram fills only when its groups share PS shards
-(``replicas > 1``).
+coordinator's job status and eval history, the byte counts it receives, the
+mode's own figures (its status extras), and the PS shards' staleness
+histograms (asked for each sample). Beside accuracy, loss and samples/s, the
+charts are the panels the job's mode declares (``Mode.panels``, see
+:mod:`dniasync.cluster.panels`): Downpour's staleness and bytes, a
+pipeline's version gap and busy time per stage; the page draws whatever
+panels the status lists.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Mapping
+from dataclasses import asdict
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +28,7 @@ from aiohttp import web
 
 from ..actors import ActorError
 from ..cluster.modes import get_mode
+from ..cluster.panels import SAMPLES, Line, Panel
 from ..cluster.telemetry import TRAINERS
 from ..metrics import NodeMetrics
 from ..remote import WebSocketTransport, is_loopback, parse_hostport
@@ -41,6 +46,9 @@ log = logging.getLogger("dniasync.node")
 
 _LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
+Figure = float | list[float]
+"""A sampled figure: a counter or level, or one per member (stage, peer)."""
+
 
 class LivePage:
     """Serves the live page on the coordinator node and keeps the series it charts.
@@ -54,9 +62,9 @@ class LivePage:
         self.context: NodeContext | None = None
         self.metrics = metrics
         self.every_s = every_s
-        self.series: deque[dict[str, float | None]] = deque(maxlen=keep)
+        self.series: deque[dict[str, Any]] = deque(maxlen=keep)
         self.staleness_counts = [0] * (len(STALENESS_BUCKETS) + 1)
-        self._last: tuple[float, int, int, int, int, int] | None = None  # wall, samples, pushed, pulled, st sum, n
+        self._last: tuple[float, dict[str, Figure]] | None = None  # wall seconds, figures
         self._html = resources.files(__package__).joinpath("live.html").read_bytes()
 
     def mount(self, app: web.Application) -> None:
@@ -86,40 +94,43 @@ class LivePage:
                 log.exception("live page: sampling failed")
             await asyncio.sleep(self.every_s)
 
+    @staticmethod
+    def panels(trainer: JobRunner) -> tuple[Panel, ...]:
+        """The charts of ``trainer``'s job beside accuracy and loss: samples/s, then what its mode declares."""
+        return (SAMPLES, *get_mode(trainer.config.mode).panels(trainer.config))
+
     async def sample(self) -> None:
-        """Add one point to the series (only while the job trains)."""
+        """Add one point to the series (only while the job trains): every line of the job's panels."""
         trainer = self._trainer()
         if trainer is None:
             return
         status = trainer.snapshot()
         if status.state != "training":
             return
-        st_sum, st_n = await self._staleness(trainer)
-        report = trainer.report
-        now = (status.wall_s, status.samples, report.bytes_pushed, report.bytes_pulled, st_sum, st_n)
-        last, self._last = self._last, now
-        if last is None or now[0] <= last[0]:
+        now: dict[str, Figure] = {**_figures(status.extra), "wall_s": status.wall_s, "samples": float(status.samples),
+                                  **await self._staleness(trainer)}
+        last, self._last = self._last, (status.wall_s, now)
+        if last is None or status.wall_s <= last[0]:
             return
-        dt = now[0] - last[0]
-        self.series.append({
-            "t": round(now[0], 3),
-            "samples_per_s": (now[1] - last[1]) / dt,
-            "pushed_bytes_per_s": (now[2] - last[2]) / dt,
-            "pulled_bytes_per_s": (now[3] - last[3]) / dt,
-            "staleness_mean": (now[4] - last[4]) / (now[5] - last[5]) if now[5] > last[5] else None,
-        })
+        point: dict[str, Any] = {"t": round(status.wall_s, 3)}
+        for panel in self.panels(trainer):
+            for line in panel.lines:
+                point[line.name] = _change(line, now, last[1])
+        self.series.append(point)
 
-    async def _staleness(self, trainer: JobRunner) -> tuple[int, int]:
-        """Sum and count of push staleness over every PS shard; refreshes the histogram."""
+    async def _staleness(self, trainer: JobRunner) -> dict[str, Figure]:
+        """Sum and count of push staleness over every PS shard (none if a shard did not answer); refreshes the
+        histogram."""
         shards = [ref for ref in trainer.ps if ref is not None]
         if not shards:
-            return 0, 0
+            return {}
         replies = await asyncio.gather(*(ref.ask(ShardStats(), timeout=2.0) for ref in shards), return_exceptions=True)
         stats = [r for r in replies if isinstance(r, dict)]
         if len(stats) != len(shards):
-            return self._last[4:] if self._last is not None else (0, 0)  # keep the previous figure
+            return {}  # a gap in the line, not a wrong mean
         self.staleness_counts = [sum(s["staleness_counts"][i] for s in stats) for i in range(len(self.staleness_counts))]
-        return sum(int(s["staleness_sum"]) for s in stats), sum(int(sum(s["staleness_counts"])) for s in stats)
+        return {"staleness_sum": float(sum(int(s["staleness_sum"]) for s in stats)),
+                "staleness_count": float(sum(int(sum(s["staleness_counts"])) for s in stats))}
 
     # -- serving ------------------------------------------------------------------------
     def _allowed(self, request: web.Request) -> bool:
@@ -157,7 +168,7 @@ class LivePage:
         doc: dict[str, Any] = {
             "node": transport.address, "role": self.metrics.role, "updated": time.time(),
             "peers": transport.peer_states(), "members": members,
-            "job": None, "replicas": {}, "history": [], "series": list(self.series),
+            "job": None, "replicas": {}, "history": [], "series": list(self.series), "panels": [asdict(SAMPLES)],
             "staleness": {"buckets": [*map(str, STALENESS_BUCKETS), "+Inf"], "counts": list(self.staleness_counts)},
         }
         trainer = self._trainer()
@@ -173,10 +184,56 @@ class LivePage:
                 **{key: s.extra[key] for key in ("split", "stage_ms", "regroup_moves", "lbfgs", "stage_version_gap",
                                                  "stage_stash_bytes", "stage_estimate_error") if key in s.extra},
             }
+            doc["panels"] = [asdict(panel) for panel in self.panels(trainer)]
             doc["replicas"] = dict(s.replicas)
             doc["history"] = [{"wall_s": p.wall_s, "samples": p.samples, "accuracy": p.accuracy, "loss": p.loss}
                               for p in trainer.report.history]
         return doc
+
+
+def _figures(extra: Mapping[str, Any]) -> dict[str, Figure]:
+    """The numbers, and lists of numbers, among a job's status extras."""
+    def number(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    out: dict[str, Figure] = {}
+    for key, value in extra.items():
+        if number(value):
+            out[key] = float(value)
+        elif isinstance(value, list) and value and all(number(v) for v in value):
+            out[key] = [float(v) for v in value]
+    return out
+
+
+def _ratio(figure: float | None, before: float | None, per: float | None, per_before: float | None,
+           scale: float) -> float | None:
+    if figure is None or before is None or per is None or per_before is None or per <= per_before:
+        return None
+    return (figure - before) / (per - per_before) * scale
+
+
+def _change(line: Line, now: Mapping[str, Figure], before: Mapping[str, Figure]) -> float | list[float | None] | None:
+    """``line``'s value between two samples; a list (one per member) when its figure is one."""
+    figure = now.get(line.figure)
+    if figure is None:
+        return None
+    if line.per is None:
+        return [v * line.scale for v in figure] if isinstance(figure, list) else figure * line.scale
+    then, per, per_then = before.get(line.figure), now.get(line.per), before.get(line.per)
+    if not isinstance(figure, list):
+        if isinstance(then, list) or isinstance(per, list) or isinstance(per_then, list):
+            return None
+        return _ratio(figure, then, per, per_then, line.scale)
+    n = len(figure)
+    figures, thens, pers, per_thens = (_column(v, n) for v in (figure, then, per, per_then))
+    if not len(thens) == len(pers) == len(per_thens) == n:  # members came or went: no figure this once
+        return [None] * n
+    return [_ratio(*row, line.scale) for row in zip(figures, thens, pers, per_thens, strict=True)]
+
+
+def _column(value: Figure | None, n: int) -> list[float | None]:
+    """A list figure as it is; a number (``wall_s``) or nothing applies to each of ``n`` members."""
+    return [v for v in value] if isinstance(value, list) else [value] * n
 
 
 def _finite(value: Any) -> Any:

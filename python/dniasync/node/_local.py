@@ -186,10 +186,11 @@ def _bar(status: JobStatusReply, width: int = 24) -> str:
     acc = "  -  " if status.accuracy is None else f"{100 * status.accuracy:5.2f}%"
     loss = "  -  " if status.loss is None else f"{status.loss:.3f}"
     alive = sum(1 for s in status.replicas.values() if s == "alive")
+    members = get_mode(status.mode).member_kind + "s"  # the job's own word: replicas, stages
     return (
         f"[{'#' * filled}{'.' * (width - filled)}] epoch {status.epochs:5.2f}/{status.max_epochs} "
         f"| held-out acc {acc} | loss {loss} | {status.samples_per_s:7,.0f} samples/s "
-        f"| replicas {alive}/{len(status.replicas)} | {status.wall_s:5.1f} s"
+        f"| {members} {alive}/{len(status.replicas)} | {status.wall_s:5.1f} s"
     )
 
 

@@ -541,6 +541,12 @@ class PipelineJob:
             extra["stage_stash_bytes"] = " | ".join(str(s.stash_bytes) for s in view)
             extra["stage_estimate_error"] = " | ".join(
                 f"{s.estimate_error_ratio:.3f}" if math.isfinite(s.estimate_error_ratio) else "-" for s in view)
+            # the counters behind the live page's per-stage charts (pipeline.STAGE_PANELS); busy time and batches
+            # restart when a stage's layers change
+            extra["stage_gap_total"] = [s.sg_staleness_total for s in view]
+            extra["stage_steps"] = [s.steps for s in view]
+            extra["stage_busy_s"] = [s.busy_seconds for s in view]
+            extra["stage_batches"] = [s.layer_batches for s in view]
         return extra
 
     # -- evaluation -------------------------------------------------------------------

@@ -21,6 +21,7 @@ from ...train.messages import Params, Pull, ShardStats
 from ...train.specs import PSLinkSpec, ReplicaSpec, ShardSpec
 from .._schema import ConfigError, KeyProblem, Section
 from ..mode_api import Hoster, Snapshot
+from ..panels import PS_PANELS, Panel
 from ..plan import codec_spec
 from ._data_parallel import DataParallelJob, host_replica
 
@@ -164,6 +165,9 @@ class _Downpour:
     def summary_lines(self, config: Config, doc: Mapping[str, Any]) -> list[str]:
         return [f"  bytes pushed       {doc.get('bytes_pushed', 0):,} (codec {config.settings.codec})",
                 f"  bytes pulled       {doc.get('bytes_pulled', 0):,}"]
+
+    def panels(self, config: Config) -> tuple[Panel, ...]:
+        return PS_PANELS
 
     def job(self, config: Config, runner: Runner) -> _DownpourJob:
         return _DownpourJob(config, runner)

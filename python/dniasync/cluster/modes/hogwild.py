@@ -16,6 +16,7 @@ from msgspec import Meta
 from ...train.specs import ReplicaSpec, SharedStoreSpec
 from .._schema import Section
 from ..mode_api import Hoster, Snapshot
+from ..panels import Panel
 from ._data_parallel import DataParallelJob, host_replica
 
 if TYPE_CHECKING:
@@ -99,6 +100,9 @@ class _Hogwild:
 
     def summary_lines(self, config: Config, doc: Mapping[str, Any]) -> list[str]:
         return []
+
+    def panels(self, config: Config) -> tuple[Panel, ...]:
+        return ()  # one shared store: no pushes, no bytes, no staleness to chart
 
     def job(self, config: Config, runner: Runner) -> _HogwildJob:
         return _HogwildJob(config, runner)

@@ -19,6 +19,7 @@ from msgspec import Meta
 
 from .._schema import ConfigError, KeyProblem, Section
 from ..mode_api import Hoster
+from ..panels import PS_PANELS, Line, Panel
 
 if TYPE_CHECKING:
     from torch import nn
@@ -26,13 +27,22 @@ if TYPE_CHECKING:
     from ..config import Config
     from ..mode_api import ModeJob, Runner
 
-__all__ = ["PIPELINE", "PipelineConfig"]
+__all__ = ["PIPELINE", "STAGE_PANELS", "PipelineConfig"]
 
 LOCAL_OPTIMIZERS = ("adam", "sgd", "momentum")
 _SG_KEYS = ("synthetic_inputs", "sg_hidden_layers", "sg_hidden_width", "sg_lr", "sg_fit_rows")
 _ASYNC_METHODS = ("dni", "cdni", "async", "stash", "spectrain", "spectrain_stash")
 _BUILTIN_FEATURES = {"mnist5k": 784, "digits": 64}
 """Values per example of the built-in data sets (flat), so a cut is probed before any data is loaded."""
+
+STAGE_PANELS = (
+    Panel("stage_version_gap", "Version gap per stage (updates per batch)",
+          (Line("stage_version_gap", "stage_gap_total", per="stage_steps", label="stage"),)),
+    Panel("stage_busy", "Busy time per stage (ms per batch)",
+          (Line("stage_busy_ms", "stage_busy_s", per="stage_batches", label="stage", scale=1e3),)),
+)
+"""The live page's charts of pipeline 0's stages, from the per-stage counters in the job's ``extra()``: each
+stage's own updates between a batch's forward and its gradient's return, and the wall time it spends on a batch."""
 
 
 class PipelineConfig(Section, frozen=True):
@@ -218,6 +228,9 @@ class _Pipeline:
                 lines.append(f"  {group + ' SG error':18s} |M−g|/|g| {metrics[key]:.2f} (the synthetic step's lr "
                              f"is scaled by min(1, 1/{metrics[key]:.2f}²))")
         return lines
+
+    def panels(self, config: Config) -> tuple[Panel, ...]:
+        return STAGE_PANELS + (PS_PANELS if config.sync_needs_ps else ())  # replicated stages push to PS shards
 
     def job(self, config: Config, runner: Runner) -> ModeJob:
         from ._pipeline_job import PipelineJob

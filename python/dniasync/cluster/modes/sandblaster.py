@@ -27,6 +27,7 @@ from ...train.messages import StopTraining
 from ...train.sandblaster import Fetch, SandblasterReplicaSpec, SandblasterShardSpec, Slice
 from .._schema import ConfigError, Section
 from ..mode_api import Hoster, JobFailed, Snapshot
+from ..panels import Panel
 from ..plan import data_spec, model_spec, schedule_spec
 from ..protocol import Assignment, JoinJob, NoJob, Ready
 from ._data_parallel import replica_name
@@ -316,6 +317,9 @@ class _Sandblaster:
                 f"  coordinator bytes  {doc.get('coordinator_bytes_per_iteration', 0):,.0f} per iteration",
                 *([f"  sample             {doc.get('sample_size', 0):,} examples (iteration:size "
                    f"{doc['sample_sizes']})"] if "," in str(doc.get("sample_sizes", "")) else [])]
+
+    def panels(self, config: Config) -> tuple[Panel, ...]:
+        return ()  # its progress is the L-BFGS line the status carries (``lbfgs``)
 
     def job(self, config: Config, runner: Runner) -> _SandblasterJob:
         return _SandblasterJob(config, runner)
