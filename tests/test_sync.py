@@ -381,7 +381,7 @@ async def test_pulled_deltas_track_the_shard_within_the_codec_bound_and_exactly_
             shard = worker_system.ref(f"ps-0@{ps_node.address}")
             buffer = np.zeros(DELTA_N, dtype=np.float32)
             link = ShardLink(buffer, [(0, DELTA_N)], [shard], replica="r0", incarnation=3, codec=codec, tau=0.01,
-                             block=block, delta_tau=DELTA_TAU)
+                             block=block)
             versions: list[int] = []
             for pull in range(1, 13):
                 before = buffer.copy()
@@ -417,8 +417,7 @@ async def test_a_replica_that_missed_an_answer_or_meets_a_new_shard_gets_a_dense
     async with ActorSystem() as system:
         shard = await system.spawn(PSShard, spec, name="ps-0")
         buffer = np.zeros(DELTA_N, dtype=np.float32)
-        link = ShardLink(buffer, [(0, DELTA_N)], [shard], replica="r0", incarnation=3, codec="threshold", tau=0.01,
-                         delta_tau=DELTA_TAU)
+        link = ShardLink(buffer, [(0, DELTA_N)], [shard], replica="r0", incarnation=3, codec="threshold", tau=0.01)
         assert await link.pull() and await link.pull()
         assert (link.dense_pulls, link.delta_pulls) == (1, 1)
 
@@ -444,7 +443,7 @@ async def test_a_replica_that_missed_an_answer_or_meets_a_new_shard_gets_a_dense
 
         # a new incarnation of the replica that reuses its name: the shard's copy is not its own
         again = ShardLink(buffer, [(0, DELTA_N)], [restarted], replica="r0", incarnation=4, codec="threshold",
-                          tau=0.01, delta_tau=DELTA_TAU)
+                          tau=0.01)
         again._answers = list(link._answers)
         assert await again.pull()
         assert (again.dense_pulls, again.delta_pulls) == (1, 0)

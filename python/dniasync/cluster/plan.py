@@ -39,5 +39,5 @@ def optimizer_spec(config: Config) -> OptimizerSpec:
 
 def codec_spec(name: str, tau: float | None, block: int, delta_tau: float | None = None,
                resync_every: int = 100) -> CodecSpec:
-    return CodecSpec(name, tau if tau is not None else 1e-3, block,
-                     delta_tau if delta_tau is not None else tau if tau is not None else 1e-3, resync_every)
+    """``delta_tau`` None: pulled deltas take a threshold from the parameters' scale (see :class:`CodecSpec`)."""
+    return CodecSpec(name, tau if tau is not None else 1e-3, block, delta_tau, resync_every)

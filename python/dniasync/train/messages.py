@@ -57,7 +57,8 @@ class ParamsDelta:
     ``dense``: ``parts`` is ``[values]`` (float32). Otherwise ``parts`` are the payloads of
     codec ``codec`` whose decoded sum (:meth:`~dniasync.train.compression.DeltaCodec.decode`)
     the replica adds to its copy. ``stream`` (the shard's incarnation) and ``seq`` name this
-    answer for the next :class:`PullDelta`.
+    answer for the next :class:`PullDelta`. ``tau``: the threshold the shard coded this delta
+    with (``threshold`` only; the shard chooses it per answer, the replica decodes with it).
     """
 
     shard: int
@@ -67,6 +68,7 @@ class ParamsDelta:
     dense: bool
     codec: str
     parts: list[np.ndarray]
+    tau: float = 0.0
 
 
 @message("dniasync.train.Push")

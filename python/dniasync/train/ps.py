@@ -7,7 +7,8 @@ are applied straight into the store, never expanded into a dense buffer.
 
 With a codec, pulls are compressed too (:class:`~dniasync.train.messages.PullDelta`):
 the shard keeps, per replica, the parameters that replica holds and answers with
-the quantized difference to its own (:class:`~dniasync.train.compression.DeltaCodec`),
+the quantized difference to its own (:class:`~dniasync.train.compression.DeltaCodec`;
+with ``threshold``, by default at a threshold of 10% of the shard's parameter RMS),
 updating its copy by exactly what the replica adds; every ``resync_every``-th pull,
 and whenever the replica's echo shows it missed an answer, the answer is dense.
 """
@@ -193,10 +194,12 @@ class PSShard(Actor):
         self._seq += 1
         follower = self.followers.get(msg.replica)
         parts = None
+        tau = 0.0
         if (self.delta_codec is not None and follower is not None and msg.stream == self.stream
                 and msg.incarnation == follower.incarnation and msg.seq == follower.seq
                 and follower.deltas_since_dense + 1 < self.resync_every):
-            parts = self.delta_codec.encode(current - follower.known)
+            tau = self.delta_codec.threshold_for(current)
+            parts = self.delta_codec.encode(current - follower.known, tau)
         if parts is None or follower is None:
             # a copy: a local replica receives ``current`` itself, and ``known`` changes in place
             self.followers[msg.replica] = _Follower(msg.incarnation, self._seq, current.copy())
@@ -204,12 +207,12 @@ class PSShard(Actor):
             self.dense_pulls += 1
             return ParamsDelta(self.shard, version, self.stream, self._seq, True, "none", [current])
         assert self.delta_codec is not None
-        follower.known += self.delta_codec.decode(parts)  # exactly what the replica adds to its copy
+        follower.known += self.delta_codec.decode(parts, tau)  # exactly what the replica adds to its copy
         follower.seq = self._seq
         follower.deltas_since_dense += 1
         self.bytes_out += sum(int(part.nbytes) for part in parts)
         self.delta_pulls += 1
-        return ParamsDelta(self.shard, version, self.stream, self._seq, False, self.delta_codec.name, parts)
+        return ParamsDelta(self.shard, version, self.stream, self._seq, False, self.delta_codec.name, parts, tau)
 
     @handler
     def snapshot(self, msg: SnapshotShard) -> ShardSnapshot:

@@ -111,14 +111,16 @@ class CodecSpec:
     """How pushed gradients, and with a codec the pulled parameter deltas, are compressed.
 
     See :mod:`dniasync.train.compression`. With ``name`` other than ``"none"`` a PS shard
-    answers a replica's pulls with quantized deltas (threshold ``delta_tau``), and every
-    ``resync_every``-th pull of that replica densely.
+    answers a replica's pulls with quantized deltas, and every ``resync_every``-th pull of
+    that replica densely. With ``threshold`` the deltas' threshold is ``delta_tau``, or by
+    default (None) 10% of the shard's parameter RMS at each answer
+    (:class:`~dniasync.train.compression.DeltaCodec`).
     """
 
     name: str = "none"
     tau: float = 1e-3
     block: int = 256
-    delta_tau: float = 1e-3
+    delta_tau: float | None = None
     resync_every: int = 100
 
 

@@ -55,7 +55,8 @@ class DownpourConfig(Section, frozen=True):
     block: Annotated[int, Meta(ge=1, description="block size for `onebit` (a multiple of 8) and `int8`")] = 256
     delta_tau: Annotated[float, Meta(gt=0.0, description=(
         "with `threshold`, the threshold of the parameter deltas PS shards send replicas (a replica's copy stays "
-        "within it of the shard's parameters after each pull); default: `tau`"))] | None = None
+        "within it of the shard's parameters after each pull); default: 10% of the shard's parameter RMS, "
+        "recomputed at each pull"))] | None = None
     resync_every: Annotated[int, Meta(ge=1, description=(
         "with a codec, PS shards answer a replica's pulls with quantized parameter deltas and every "
         "resync_every-th pull (and any pull after a missed answer) densely; 1: every pull dense"))] = 100

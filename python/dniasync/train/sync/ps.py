@@ -93,7 +93,7 @@ class ShardLink:
     them ``dense_pulls`` and ``delta_pulls``), ``pushes`` (one per
     :meth:`push`), ``bytes_pulled``, ``bytes_pushed`` (payloads) and
     ``dense_bytes_pulled``, ``dense_bytes_pushed`` (what they would take as float32).
-    With ``codec`` other than ``"none"`` pulls ask for deltas (threshold ``delta_tau``).
+    With ``codec`` other than ``"none"`` pulls ask for deltas (decoded with the threshold each answer carries).
     """
 
     def __init__(
@@ -107,7 +107,6 @@ class ShardLink:
         codec: CodecName = "none",
         tau: float = 1e-3,
         block: int = 256,
-        delta_tau: float = 1e-3,
         ask_timeout_s: float = 10.0,
         clock: Clock = time.monotonic,
     ) -> None:
@@ -120,7 +119,7 @@ class ShardLink:
         self.incarnation = incarnation
         self.ask_timeout_s = ask_timeout_s
         self.codecs = [make_codec(codec, length, tau=tau, block=block) for _, length in self.ranges]
-        self.deltas = ([DeltaCodec(codec, length, tau=delta_tau, block=block) for _, length in self.ranges]
+        self.deltas = ([DeltaCodec(codec, length, block=block) for _, length in self.ranges]
                        if codec != "none" else None)
         self._answers = [(0, 0)] * len(self.shards)
         """(stream, seq) of each shard's last answer applied, echoed in the next PullDelta."""
@@ -178,7 +177,7 @@ class ShardLink:
             else:
                 if reply.codec != self.deltas[i].name:
                     raise TypeError(f"shard {i} sent a {reply.codec} delta, this link decodes {self.deltas[i].name}")
-                target += self.deltas[i].decode(reply.parts)  # the same float32 adds as the shard's copy
+                target += self.deltas[i].decode(reply.parts, reply.tau)  # the same float32 adds as the shard's copy
                 self.delta_pulls += 1
             self._answers[i] = (int(reply.stream), int(reply.seq))
             self.bytes_pulled += sum(int(part.nbytes) for part in reply.parts)
@@ -258,7 +257,7 @@ class PSSync:
             ranges = [(bounds[i], bounds[i + 1] - bounds[i]) for i in range(len(offsets))]
         self.link = ShardLink(buffer, ranges, shards, replica=name, incarnation=incarnation,
                               codec=codec.name, tau=codec.tau, block=codec.block,  # type: ignore[arg-type]
-                              delta_tau=codec.delta_tau, ask_timeout_s=ask_timeout_s, clock=clock)
+                              ask_timeout_s=ask_timeout_s, clock=clock)
         self.n_fetch = n_fetch
         self.n_push = n_push
         self._name, self._codec, self._ask_timeout_s, self._clock = name, codec, ask_timeout_s, clock
