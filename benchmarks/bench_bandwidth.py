@@ -22,9 +22,10 @@ codec (tau 0.02, examples/downpour_mnist_threshold.toml), alternating, ``--reps`
 times each (default 2). Uncompressed, every pull carries the full 1.08 MB
 parameter vector and every push as much. With the codec, traffic is
 compressed both ways: pushes are Strom's ±tau codes, and the PS shards answer
-pulls with threshold-coded parameter deltas (``delta_tau`` = tau, each replica's
-copy within tau of the shard's after each pull) and a dense pull every
-``resync_every`` (100) pulls of a replica.
+pulls with threshold-coded parameter deltas (``delta_tau`` at its default, 10%
+of the shard's parameter RMS: each replica's copy within it of the shard's after
+each pull; the README's figures were taken with the earlier default,
+``delta_tau`` = tau) and a dense pull every ``resync_every`` (100) pulls of a replica.
 
 Time to 92% is read from the coordinator's history (``wall_s`` counts from
 the first replica's registration, process start-up excluded; evaluation
@@ -255,7 +256,8 @@ def main() -> None:
         "setup": {"link": f"veth pair between two netns, tbf {' '.join(TBF[1:])} on both ends",
                   "side_a": "coordinator + 2 PS shards", "side_b": "2 replicas", "target_accuracy": 0.92,
                   "eval_every_s": 0.5, "max_seconds": max_seconds, "reps": reps, "n_fetch": 1, "n_push": 1,
-                  "threshold_pulls": "threshold-coded parameter deltas, delta_tau = tau = 0.02, dense every 100 pulls"},
+                  "threshold_pulls": ("threshold-coded parameter deltas, delta_tau 10% of the shard's parameter RMS, "
+                                      "dense every 100 pulls")},
         "tc_stats_at_end": stats,
     }
     for codec, rs in runs.items():
