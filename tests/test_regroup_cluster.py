@@ -114,7 +114,7 @@ def test_a_regroup_section_outside_a_pipeline_job_is_refused() -> None:
     raw = _config("")
     raw["job"]["mode"] = "downpour"
     del raw["pipeline"]
-    with pytest.raises(ConfigError, match=r"'\[regroup\]' applies only to job.mode = 'pipeline'"):
+    with pytest.raises(ConfigError, match=r"'\[regroup\]' does not apply to job.mode 'downpour'"):
         parse_config(raw, resolve=False)
 
 
@@ -128,7 +128,7 @@ def test_a_profiled_job_starts_from_the_split_its_profile_chose(tmp_path: Path) 
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads((out / "summary.json").read_text())
     profiled = [e for e in doc["events"] if e["kind"] == "split_profiled"]
-    placed = [e for e in doc["events"] if e["kind"] == "groups_placed"]
+    placed = [e for e in doc["events"] if e["kind"] == "stages_placed"]
     assert len(profiled) == 1 and len(placed) == 1
     assert profiled[0]["configured"] == "0-5 | 6"
     assert placed[0]["split"] == profiled[0]["split"] == doc["metrics"]["split"]

@@ -382,8 +382,9 @@ def parse_config(raw: Mapping[str, Any], *, resolve: bool = True) -> Config:
     if config.schedule.kind != "fixed" and config.schedule.end < start:
         raise ConfigError(f"'schedule.end' is {config.schedule.end}, below the first batch size {start}",
                           "schedule.end")
-    if "regroup" in raw and job.mode != "pipeline":
-        raise ConfigError(f"section '[regroup]' applies only to job.mode = 'pipeline', not {job.mode!r}", "regroup")
+    if "regroup" in raw and not mode.regroups:
+        raise ConfigError(f"section '[regroup]' does not apply to job.mode {job.mode!r}: that mode has no stages to "
+                          "regroup", "regroup")
     mode.check(config, raw)
     if config.eval.deferred and config.stop.target_accuracy is not None:
         raise ConfigError("'eval.deferred' cannot be used with stop.target_accuracy: the accuracy is known only "

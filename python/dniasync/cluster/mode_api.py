@@ -125,7 +125,7 @@ class ModeJob(Protocol):
         """The stop reason if training ended by itself (a pipeline ran its epochs), else None."""
 
     def members(self) -> dict[str, str]:
-        """Each worker (replica, layer group) -> ``alive`` / ``dead``."""
+        """Each worker (replica, stage) -> ``alive`` / ``dead``."""
 
     def extra(self) -> dict[str, Any]: ...
 
@@ -170,15 +170,19 @@ class Mode(Protocol):
 
     @property
     def worker_kind(self) -> str:
-        """What a worker process is called in messages (``replica``, ``layer-group worker``)."""
+        """What a worker process is called in messages (``replica``, ``stage worker``)."""
 
     @property
     def member_kind(self) -> str:
-        """What the job's status lists as its members (``replica``, ``layer group``)."""
+        """What the job's status lists as its members (``replica``, ``stage``)."""
 
     @property
     def schedules(self) -> bool:
         """Whether the mode honours a ``[schedule]`` section (a growing batch size)."""
+
+    @property
+    def regroups(self) -> bool:
+        """Whether the mode honours a ``[regroup]`` section (moving layers between stages at run time)."""
 
     def data_shards(self, settings: Any) -> int: ...
 

@@ -142,6 +142,7 @@ class _Downpour:
     worker_kind = "replica"
     member_kind = "replica"
     schedules = True
+    regroups = False
 
     def data_shards(self, settings: DownpourConfig) -> int:
         return settings.n_replicas

@@ -82,6 +82,7 @@ class _Hogwild:
     worker_kind = "worker"
     member_kind = "replica"
     schedules = True
+    regroups = False
 
     def data_shards(self, settings: HogwildConfig) -> int:
         return settings.n_workers

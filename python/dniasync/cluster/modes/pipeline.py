@@ -130,6 +130,7 @@ class _Pipeline:
     worker_kind = "layer-group worker"
     member_kind = "layer group"
     schedules = True
+    regroups = True
 
     def data_shards(self, settings: PipelineConfig) -> int:
         return settings.replicas

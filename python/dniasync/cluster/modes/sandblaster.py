@@ -284,6 +284,7 @@ class _Sandblaster:
     worker_kind = "replica"
     member_kind = "replica"
     schedules = True
+    regroups = False
 
     def data_shards(self, settings: SandblasterConfig) -> int:
         return 1  # every replica reads the whole training set; the work queue splits it
