@@ -60,8 +60,13 @@ taken. Time to 92% = the stamp of the first snapshot scoring >= 92% (so within
 256 samples of the moment). Bytes sent per sample = all bytes the hosts' links
 carried out of h0-h4 during the run (kernel counters of each host's eth0:
 payloads, protocol headers, start-up, rendezvous and snapshots that cross a
-link) / samples trained. Final accuracy = the last snapshot's (the end of
-training).
+link) / samples trained. dniasync's own count of what its trainers and PS
+shards sent (tensor payloads: pushes, pulls, p2p updates) is beside it as
+``dniasync_payload_bytes_per_sample``: the p2p mode takes every snapshot from
+every live peer (it measures their consensus distance), so its link counters
+also carry 3 dense copies (3 x 1.07 MB) per snapshot from the peers on
+h2-h4 (the coordinator sits on h1), and those copies share the links with
+training. Final accuracy = the last snapshot's (the end of training).
 
 Ratios (bigger is better), for each link: ``<method>_vs_ddp_<link>`` = DDP's
 time to 92% / the method's, and ``<method>_vs_ddp_powersgd_<link>`` with
@@ -281,7 +286,9 @@ def run_dniasync(hosts: Hosts, system: str, run: Path, epochs: int, max_seconds:
         if dead or time.monotonic() > deadline:
             name = dead[0][0] if dead else "coordinator"
             what = f"{name} exited {dead[0][1].returncode}" if dead else "no summary in time"
-            raise RunFailed(f"{what}:\n{(run / f'{name}.log').read_text(errors='replace')[-2000:]}")
+            last = {n: _last_line(run / f"{n}.log") for n, _ in nodes}
+            raise RunFailed(f"{what}; last lines: {json.dumps(last)}\n"
+                            f"{(run / f'{name}.log').read_text(errors='replace')[-2000:]}")
         time.sleep(0.25)
     time.sleep(0.5)  # the report writer renames into place; let it finish
     summary = json.loads(summary_path.read_text())
@@ -291,6 +298,11 @@ def run_dniasync(hosts: Hosts, system: str, run: Path, epochs: int, max_seconds:
         "wall_s": summary["wall_s"], "samples": summary["samples"], "stopped": summary["stop_reason"],
         "dniasync_bytes_pushed": summary.get("bytes_pushed"), "dniasync_bytes_pulled": summary.get("bytes_pulled"),
     }
+
+
+def _last_line(log: Path) -> str:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1][-300:] if lines else ""
 
 
 # --------------------------------------------------------------------------- one system on one link
@@ -328,6 +340,8 @@ def run_system(hosts: Hosts, system: str, work: Path, epochs: int, max_seconds: 
         "samples_per_s": samples / out["wall_s"] if out["wall_s"] else None,
         "stopped": out["stopped"],
         **{k: v for k, v in out.items() if k.startswith("dniasync_")},
+        **({"dniasync_payload_bytes_per_sample": (out["dniasync_bytes_pushed"] + out["dniasync_bytes_pulled"]) / samples}
+           if out.get("dniasync_bytes_pushed") is not None and samples else {}),
         "history": [{"wall_s": round(p["wall_s"], 3), "samples": p["samples"], "accuracy": p["accuracy"],
                      "loss": round(p["loss"], 5)} for p in history],
     }
@@ -382,11 +396,11 @@ def plot(results: dict[str, dict[str, Any]], links: list[str], path: Path, epoch
         ax.set_xlabel("wall time since training could start (s)")
         ax.set_title(f"{LINKS[link]:g} Mbit/s per host (tc tbf)", fontsize=10)
         ax.grid(alpha=0.3)
-        if ax.get_lines():
+        if any(not line.get_label().startswith("_") for line in ax.get_lines()):
             ax.legend(loc="lower right", fontsize=7)
     axes[0].set_ylabel("held-out accuracy (1,000 examples)")
-    fig.suptitle(f"MLP 784-256-256-10 on mnist5k, 4 training processes in 4 network namespaces, "
-                 f"{epochs * N_TRAIN:,} samples each", fontsize=10)
+    fig.suptitle(f"MLP 784-256-256-10 on mnist5k, {epochs * N_TRAIN:,} samples per system\n"
+                 "4 training processes, each in its own network namespace", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100, format="png")
 
