@@ -29,10 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-import torch
-from torch import nn
-
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from ...actors import Actor
     from ..flat import FlatModel
     from ..specs import OptimizerSpec
