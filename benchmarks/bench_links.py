@@ -296,6 +296,7 @@ def run_dniasync(hosts: Hosts, system: str, run: Path, epochs: int, max_seconds:
         "history": [{"wall_s": p["wall_s"], "samples": p["samples"], "accuracy": p["accuracy"], "loss": p["loss"]}
                     for p in summary["history"]],
         "wall_s": summary["wall_s"], "samples": summary["samples"], "stopped": summary["stop_reason"],
+        "eval_failed": next((e["reason"] for e in summary.get("events", []) if e["kind"] == "eval_failed"), None),
         "dniasync_bytes_pushed": summary.get("bytes_pushed"), "dniasync_bytes_pulled": summary.get("bytes_pulled"),
     }
 
@@ -325,7 +326,8 @@ def run_system(hosts: Hosts, system: str, work: Path, epochs: int, max_seconds: 
         score(out["history"])
     history = out["history"]
     if not history:
-        raise RunFailed("no evaluation was recorded")
+        raise RunFailed(f"no evaluation was recorded ({out['stopped']}, {out['samples']} samples trained; "
+                        f"first failed evaluation: {out.get('eval_failed')})")
     t92, s92 = time_to(history)
     samples = out["samples"]
     return {
@@ -339,6 +341,7 @@ def run_system(hosts: Hosts, system: str, work: Path, epochs: int, max_seconds: 
         "wall_s": out["wall_s"],
         "samples_per_s": samples / out["wall_s"] if out["wall_s"] else None,
         "stopped": out["stopped"],
+        "first_eval_failure": out.get("eval_failed"),
         **{k: v for k, v in out.items() if k.startswith("dniasync_")},
         **({"dniasync_payload_bytes_per_sample": (out["dniasync_bytes_pushed"] + out["dniasync_bytes_pulled"]) / samples}
            if out.get("dniasync_bytes_pushed") is not None and samples else {}),
@@ -457,7 +460,7 @@ def main() -> None:
                         _common.say(f"{link:8s} {system:15s} FAILED: {str(exc).splitlines()[0]}")
                         continue
                     results[link][system] = r
-                    _common.say(f"{link:8s} {system:15s} time to 92% {fmt(r['time_to_92_s'], '.1f')} s, final "
+                    _common.say(f"{link:8s} {system:15s} time to 92% {fmt(r['time_to_92_s'], '.1f')}{' s' if r['time_to_92_s'] else ''}, final "
                                 f"{100 * r['final_accuracy']:.1f}%, {fmt(r['bytes_sent_per_sample'], ',.0f')} B sent/"
                                 f"sample, {fmt(r['samples_per_s'], ',.0f')} samples/s ({time.monotonic() - t:.0f} s)")
     finally:
@@ -499,7 +502,7 @@ def main() -> None:
                 continue
             vs = [f"{b} {ratios[f'{system}_vs_{b}_{link}']:.2f}" for b in BASELINES
                   if f"{system}_vs_{b}_{link}" in ratios]
-            rows.append((system, link, f"{fmt(r['time_to_92_s'], '.1f')} s", f"{100 * r['final_accuracy']:.1f}%",
+            rows.append((system, link, f"{fmt(r['time_to_92_s'], '.1f')}{' s' if r['time_to_92_s'] else ''}", f"{100 * r['final_accuracy']:.1f}%",
                          f"{fmt(r['bytes_sent_per_sample'], ',.0f')}", ", ".join(vs) or "-"))
     _common.say("\n" + _common.table(rows, ("system", "link", "time to 92%", "final accuracy", "bytes sent/sample",
                                             "ratio (DDP variant's time / this)")))
