@@ -20,7 +20,7 @@ from dniasync.actors import ActorRef, ActorUnreachable, Backoff
 from dniasync.train.flat import flatten_parameters
 from dniasync.train.messages import Params, Pull, Push
 from dniasync.train.ps import PSShard
-from dniasync.train.specs import LocalSpec, OptimizerSpec, PSLinkSpec, SharedStoreSpec, ShardSpec
+from dniasync.train.specs import LocalSpec, OptimizerSpec, P2PSpec, PSLinkSpec, SharedStoreSpec, ShardSpec
 from dniasync.train.sync import (
     HOGWILD_SEGMENT,
     SYNCS,
@@ -70,7 +70,12 @@ async def _shm(system: ActorSystem, model: nn.Module) -> AsyncIterator[object]:
     del store
 
 
-SETUPS: dict[str, Setup] = {"local": _local, "ps": _ps, "shm": _shm}
+@contextlib.asynccontextmanager
+async def _p2p(system: ActorSystem, model: nn.Module) -> AsyncIterator[object]:
+    yield P2PSpec([], codec="threshold", tau=1e-3)  # a lone peer (no trainer actor: nothing to receive with)
+
+
+SETUPS: dict[str, Setup] = {"local": _local, "ps": _ps, "shm": _shm, "p2p": _p2p}
 """How to run each registered sync in one process: what its spec needs around it (PS shards, a store)."""
 
 

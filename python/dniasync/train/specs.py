@@ -28,6 +28,7 @@ __all__ = [
     "LocalSpec",
     "ModelSpec",
     "OptimizerSpec",
+    "P2PSpec",
     "PSLinkSpec",
     "ReplicaSpec",
     "ShardResume",
@@ -180,6 +181,38 @@ class SharedStoreSpec:
     """Hogwild: apply every step in place, without locks, to the job's shared-memory store ``name``."""
 
     name: str
+
+
+@message("dniasync.train.P2PSpec")
+@dataclass(frozen=True)
+class P2PSpec:
+    """Peer to peer (:mod:`dniasync.train.sync.p2p`): the peers known at assignment, how updates are coded and spread.
+
+    Here, not beside its sync, so a worker node decodes its assignment before it imports torch.
+    """
+
+    peers: list[ActorRef]
+    """The inboxes of the live peers (this one's own is added by itself)."""
+    epoch: int = 0
+    """The membership version ``peers`` is (a :class:`~dniasync.train.sync.p2p.Peers` of a lower epoch is ignored)."""
+    codec: str = "threshold"
+    tau: float = 1e-3
+    fanout: int = 0
+    """Peers an update goes to from each holder (a k-ary tree rooted at its origin); 0: the origin sends to all."""
+    max_lag: int = 16
+    """A peer missing more updates than this takes a dense copy from a neighbour."""
+    local_steps: int = 1
+    """H: inner optimizer steps between two updates; above 1 the updates are DiLoCo pseudo-gradients."""
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    warm: bool = False
+    """Take a dense copy from a peer before the first step (a late joiner)."""
+    tick_s: float = 0.25
+    """How often a peer tells the others its sent count, checks its ledger and repairs it."""
+    silent_s: float = 2.0
+    """No updates are sent to a peer nothing was heard from for this long."""
+    keep_bytes: int = 32 << 20
+    """Payload bytes of its own latest updates a peer keeps, to resend them and to re-apply them after a dense copy."""
 
 
 @message("dniasync.train.ReplicaSpec")

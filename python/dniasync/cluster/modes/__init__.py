@@ -17,6 +17,7 @@ from .._schema import ConfigError
 from ..mode_api import Mode
 from .downpour import DOWNPOUR
 from .hogwild import HOGWILD
+from .p2p import P2P
 from .pipeline import PIPELINE
 from .sandblaster import SANDBLASTER
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MODES", "RENAMED", "get_mode", "host_spec"]
 
-MODES: dict[str, Mode] = {mode.name: mode for mode in (DOWNPOUR, HOGWILD, PIPELINE, SANDBLASTER)}
+MODES: dict[str, Mode] = {mode.name: mode for mode in (DOWNPOUR, HOGWILD, PIPELINE, SANDBLASTER, P2P)}
 """Every mode by its ``job.mode`` name."""
 
 RENAMED: dict[str, str] = {

@@ -7,6 +7,7 @@ Importing this package registers every sync: each implementation module calls
 from __future__ import annotations
 
 from . import local, ps, shm  # noqa: F401 - each registers its kind
+from . import p2p  # noqa: F401 - registers the p2p kind
 from .base import SYNCS, Clock, SyncContext, SyncKind, SyncStats, WeightSync, build_sync, register, sync_kind
 from .local import LocalOptimizer, load_optimizer_tensors, make_optimizer, optimizer_tensors, set_lr
 from .ps import CollapsedWarnings, PSSync, ShardLink

@@ -1,0 +1,339 @@
+"""Peer-to-peer data parallelism (Strom 2015, the y2 cluster): no PS, peers send each other their quantized updates.
+
+Every worker process runs one :class:`~dniasync.train.replica.Replica` on its
+own data shard, sharing its weights through the ``p2p`` weight sync
+(:mod:`dniasync.train.sync.p2p`): what a peer sends and receives never passes
+through the coordinator. The coordinator keeps job control only:
+
+- it hands each joining worker a :class:`~dniasync.train.sync.p2p.P2PSpec`
+  with the live peers' inboxes (``warm``: take a dense copy from one of them
+  first, once any peer has trained), and tells every live peer the new
+  membership (:class:`~dniasync.train.sync.p2p.Peers`) when a peer joins, dies
+  or comes back, and every :data:`PEERS_REPEAT_S` in case a peer missed it;
+- a peer silent past the liveness limit is declared dead (an event naming it),
+  its data shard goes to a live peer, and the others stop sending to it; one
+  that reports again (it was frozen) is taken back: it gets a data shard and
+  the membership, and catches up from a neighbour's dense copy;
+- each evaluation asks every live peer for its shared weights, scores the
+  first and records the **consensus distance**: the max and mean over live
+  peers of ``||w_i - mean(w)|| / ||mean(w)||`` (``consensus.json`` beside the
+  summary holds the series);
+- at the end it waits (at most :data:`SETTLE_S`) for every live peer's ledger
+  to hold every update the live peers sent, then puts each peer's counters
+  and ledger, the bytes sent per step and the consensus figures into the summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
+
+import numpy as np
+from msgspec import Meta
+from prometheus_client.metrics_core import Metric
+
+from ...actors import ActorError, ActorRef, ActorSystem
+from ...metrics import Families, Tracker, track
+from ...train.messages import Progress, Shards
+from ...train.specs import P2PSpec, ReplicaSpec
+from .._schema import ConfigError, KeyProblem, Section
+from ..mode_api import Hoster, Snapshot
+from ..panels import Line, Panel
+from ..protocol import Ready
+from ..report import EVENT_REPLICA_JOINED
+from ._data_parallel import DataParallelJob, _Replica, host_replica
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..mode_api import Runner
+    from ..report import RunReport
+
+__all__ = ["FAMILIES", "P2P", "P2PConfig", "PEERS_REPEAT_S", "SETTLE_S"]
+
+log = logging.getLogger("dniasync.cluster.modes.p2p")
+
+PEERS_REPEAT_S: Final = 1.0
+"""The membership is told again this often (a peer whose inbox was not up yet at a change gets it)."""
+SETTLE_S: Final = 10.0
+"""At the end, how long the coordinator waits for every live peer's ledger to hold every update sent."""
+COPY_TIMEOUT_S: Final = 10.0
+
+FAMILIES = Families()
+P2P_CONSENSUS = FAMILIES.gauge(
+    "dniasync_p2p_consensus_distance_ratio",
+    "Consensus distance at the last evaluation: max or mean over live peers of |w_i - mean w| / |mean w| (stat).",
+    "stat")
+P2P_JOB_PEERS = FAMILIES.gauge("dniasync_p2p_job_peers_alive", "Peers the coordinator considers alive.")
+
+
+class P2PConfig(Section, frozen=True):
+    """Peers that send each other their quantized updates, no PS (mode `p2p`); gossip, lag and local steps: `[sync]`."""
+
+    only_for = {"tau": ("codec", ("threshold",))}
+
+    n_peers: Annotated[int, Meta(ge=1, description="peer processes, one data shard each; at most data.n_train")] = 2
+    codec: Annotated[Literal["threshold", "none"], Meta(description=(
+        "how a peer codes its update: `threshold` (Strom: +-tau per element whose accumulated change reached tau, "
+        "the rest kept in the peer's residual) or `none` (dense float32)"))] = "threshold"
+    tau: Annotated[float, Meta(gt=0.0, description=(
+        "the threshold, in weight units (an update is a change of the weights, the lr already applied); "
+        "required with `threshold`"))] | None = None
+
+    def __post_init__(self) -> None:
+        if self.codec == "threshold" and self.tau is None:
+            raise KeyProblem("tau", "missing required key '{key}'")
+
+
+class _P2PJob(DataParallelJob):
+    def __init__(self, config: Config, runner: Runner) -> None:
+        super().__init__(config, runner)
+        self.settings: P2PConfig = config.settings
+        self.epoch = 0
+        self._told_at = 0.0
+        self._t0 = time.monotonic()
+        self.consensus: list[dict[str, float]] = []
+        """One entry per evaluation with two or more copies: seconds, samples, max, mean, peers."""
+        self._peer_stats: dict[str, dict[str, Any]] = {}
+        track(runner.system, _JOBS, runner.ref, self)
+
+    # -- membership ------------------------------------------------------------------------
+    def _inbox(self, state: _Replica) -> ActorRef:
+        from ...train.sync.p2p import inbox_name
+
+        assert state.ref is not None
+        return self.runner.system.ref(f"{inbox_name(state.ref.name)}@{state.ref.node}")
+
+    def _live(self) -> list[tuple[str, _Replica]]:
+        return [(n, r) for n, r in sorted(self.replicas.items()) if r.status == "alive" and r.ref is not None]
+
+    def sync_spec(self) -> P2PSpec:  # type: ignore[override]
+    
+        live = self._live()
+        s, sync = self.settings, self.config.sync
+        return P2PSpec([self._inbox(r) for _, r in live], self.epoch, s.codec, s.tau or 1e-3, sync.fanout,
+                       sync.max_lag, sync.local_steps, sync.outer_lr, sync.outer_momentum,
+                       warm=any(r.steps > 0 for _, r in live))
+
+    def _tell_peers(self, *, changed: bool) -> None:
+        from ...train.sync.p2p import Peers
+
+        if changed:
+            self.epoch += 1
+        self._told_at = time.monotonic()
+        inboxes = [self._inbox(r) for _, r in self._live()]
+        msg = Peers(self.epoch, inboxes)
+        for inbox in inboxes:
+            try:
+                inbox.tell_nowait(msg)
+            except ActorError as exc:
+                log.debug("membership not told to %s: %s", inbox, exc)
+
+    async def ready(self, ready: Ready) -> None:
+        await super().ready(ready)
+        self._tell_peers(changed=True)
+
+    def _declare_dead(self, name: str, why: str) -> None:
+        alive = self.replicas[name].status == "alive"
+        super()._declare_dead(name, why)
+        if alive:
+            self._tell_peers(changed=True)
+
+    def check(self, now: float) -> None:
+        super().check(now)
+        if now - self._told_at >= PEERS_REPEAT_S:
+            self._tell_peers(changed=False)
+
+    def progress(self, msg: Progress) -> None:
+        state = self.replicas.get(msg.replica)
+        if state is not None and state.incarnation == msg.incarnation and state.status == "dead" \
+                and not self.runner.ending:
+            self._take_back(msg.replica, state)
+        super().progress(msg)
+
+    def _take_back(self, name: str, state: _Replica) -> None:
+        """A peer declared dead reports again (it was frozen, or cut off): a data shard and the membership again."""
+        free = [s for s, owner in self.owners.items() if owner is None]
+        shards = {free[0]} if free else self._take_one_for(name)
+        for s in shards:
+            self.owners[s] = name
+        state.status, state.shards, state.last_seen = "alive", shards, time.monotonic()
+        self.runner.event(EVENT_REPLICA_JOINED, replica=name, shards=",".join(map(str, sorted(shards))),
+                          reason="reported again after it was declared dead", cluster_steps=self.steps())
+        log.info("peer %s is back; data shards %s", name, sorted(shards))
+        if state.ref is not None:
+            cursors = [[self.cursors[s].shard, self.cursors[s].epoch, self.cursors[s].position] for s in sorted(shards)]
+            try:
+                state.ref.tell_nowait(Shards(cursors))
+            except ActorError as exc:
+                log.warning("could not hand shards to %s: %s", name, exc)
+        self._tell_peers(changed=True)
+
+    # -- evaluation and consensus ------------------------------------------------------------
+    async def snapshot(self) -> Snapshot:
+        from ...train.sync.p2p import DenseCopy, DenseRequest
+
+        live = self._live()
+        if not live:
+            raise ActorError("no live peer to take weights from")
+        replies = await asyncio.gather(*(self._inbox(r).ask(DenseRequest(), timeout=COPY_TIMEOUT_S) for _, r in live),
+                                       return_exceptions=True)
+        copies = [r.values for r in replies if isinstance(r, DenseCopy)]
+        if not copies:
+            error = next((r for r in replies if isinstance(r, BaseException)), None)
+            raise error if isinstance(error, ActorError) else ActorError(f"no peer answered: {error!r}")
+        if len(copies) >= 2:
+            self.consensus.append({"seconds": time.monotonic() - self._t0, "samples": float(self.samples()),
+                                   **consensus_distance(copies), "peers": float(len(copies))})
+        return Snapshot(copies[0])
+
+    # -- ending ------------------------------------------------------------------------------
+    async def _ask_stats(self) -> dict[str, dict[str, Any]]:
+        from ...train.sync.p2p import P2PStatsRequest
+
+        live = self._live()
+        replies = await asyncio.gather(*(self._inbox(r).ask(P2PStatsRequest(), timeout=5.0) for _, r in live),
+                                       return_exceptions=True)
+        return {name: reply for (name, _), reply in zip(live, replies, strict=True) if isinstance(reply, dict)}
+
+    async def _settled_stats(self) -> tuple[dict[str, dict[str, Any]], bool]:
+        """Every live peer's stats once each ledger holds every update the live peers sent (or after SETTLE_S)."""
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            self._tell_peers(changed=False)  # the runner's ticks have stopped: the membership goes on being told
+            stats = await self._ask_stats()
+            complete = _complete(stats)
+            if complete or time.monotonic() >= deadline:
+                return stats, complete
+            await asyncio.sleep(0.2)
+
+    async def record(self, report: RunReport) -> None:
+        await super().record(report)
+        stats, complete = await self._settled_stats()
+        self._peer_stats = stats
+        live = self._live()
+        report.set_metric("peers_alive", len(live))
+        report.set_metric("peers_dead", sum(r.status != "alive" for r in self.replicas.values()))
+        steps = self.steps()
+        report.set_metric("bytes_sent_per_step", report.bytes_pushed / steps if steps else 0.0)
+        report.set_metric("dense_bytes_per_step", 4.0 * self.n_params)
+        report.set_metric("p2p_ledgers_complete", complete)
+        origins = {s["origin"]: name for name, s in stats.items()}
+        for name, s in stats.items():
+            report.set_metric(f"p2p.{name}.sent", int(s["sent"]))
+            report.set_metric(f"p2p.{name}.steps", int(s["steps"]))
+            for counter in ("dense_taken", "dense_given", "received", "duplicate", "forwarded", "skipped",
+                            "resends_asked", "resent", "lost_own"):
+                report.set_metric(f"p2p.{name}.{counter}", int(s["counters"][counter]))
+            for origin, count in s["ledger"].items():
+                if origin in origins:
+                    report.set_metric(f"p2p.{name}.has.{origins[origin]}", int(count))
+        if self.consensus:
+            last = self.consensus[-1]
+            report.set_metric("consensus_distance_max", last["max"])
+            report.set_metric("consensus_distance_mean", last["mean"])
+            report.set_metric("consensus_distance_max_peak", max(c["max"] for c in self.consensus))
+            report.set_metric("consensus_distance_mean_avg",
+                              sum(c["mean"] for c in self.consensus) / len(self.consensus))
+        report.set_metric("consensus_evaluations", len(self.consensus))
+        out = Path(self.config.output_dir)
+        await self.runner.run_blocking(_write_json, out / "consensus.json", self.consensus)
+
+    def extra(self) -> dict[str, Any]:
+        out = super().extra()
+        out["peers_alive"] = len(self._live())
+        if self.consensus:
+            out["consensus_distance_max"] = self.consensus[-1]["max"]
+        return out
+
+
+def consensus_distance(copies: Sequence[np.ndarray]) -> dict[str, float]:
+    """Max and mean over ``copies`` of ``||w_i - mean||/ ||mean||`` (0 for identical copies)."""
+    stacked = np.stack([np.asarray(c, dtype=np.float64) for c in copies])
+    mean = stacked.mean(axis=0)
+    norm = float(np.linalg.norm(mean)) or 1.0
+    distances = [float(np.linalg.norm(row - mean)) / norm for row in stacked]
+    return {"max": max(distances), "mean": sum(distances) / len(distances)}
+
+
+def _complete(stats: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Every peer's ledger holds each other peer's every update, contiguously."""
+    sent = {s["origin"]: int(s["sent"]) for s in stats.values()}
+    return all(s["complete"].get(origin, 0) >= count for s in stats.values() for origin, count in sent.items()
+               if origin != s["origin"])
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+
+
+def _collect(system: ActorSystem, jobs: Sequence[_P2PJob]) -> Iterator[Metric]:
+    for job in jobs:
+        yield P2P_JOB_PEERS.single(len(job._live()))
+        if job.consensus:
+            last = job.consensus[-1]
+            yield P2P_CONSENSUS.labelled([(("max",), last["max"]), (("mean",), last["mean"])])
+
+
+_JOBS: Final[Tracker[_P2PJob]] = Tracker("p2p_jobs", _collect)
+
+
+class _P2P:
+    name = "p2p"
+    settings = P2PConfig
+    shards_key = "p2p.n_peers"
+    worker_kind = "peer"
+    member_kind = "replica"
+    schedules = True
+    regroups = False
+
+    def data_shards(self, settings: P2PConfig) -> int:
+        return settings.n_peers
+
+    def syncs(self, settings: P2PConfig) -> tuple[str, ...]:
+        return ("p2p",)
+
+    def check(self, config: Config, raw: Mapping[str, Any]) -> None:
+        sync = config.sync
+        if sync.fanout > 0 and sync.fanout >= config.settings.n_peers:
+            raise ConfigError(f"'sync.fanout' is {sync.fanout}, but a peer has only {config.settings.n_peers - 1} "
+                              "others: use 0 (every peer)", "sync.fanout")
+
+    def resolve(self, config: Config, model: Any) -> None:
+        return
+
+    def processes(self, config: Config) -> tuple[int, int]:
+        return 0, config.settings.n_peers
+
+    def summary_lines(self, config: Config, doc: Mapping[str, Any]) -> list[str]:
+        metrics = doc.get("metrics", {})
+        lines = [f"  bytes sent         {doc.get('bytes_pushed', 0):,} (codec {config.settings.codec}; "
+                 f"{metrics.get('bytes_sent_per_step', 0):,.0f} per step, dense "
+                 f"{metrics.get('dense_bytes_per_step', 0):,.0f})"]
+        peak = metrics.get("consensus_distance_max_peak")
+        if isinstance(peak, float) and math.isfinite(peak):
+            lines.append(f"  consensus distance {metrics.get('consensus_distance_max', 0):.4f} max at the end, "
+                         f"{peak:.4f} at worst")
+        return lines
+
+    def panels(self, config: Config) -> tuple[Panel, ...]:
+        # bytes per peer: put a list of each peer's byte counter into extra() (say "peer_bytes") and chart
+        # Line("peer_bytes_per_s", "peer_bytes", label="peer"): one line per peer
+        return (Panel("consensus", "Consensus distance (max over peers)",
+                      (Line("consensus_distance_max", "consensus_distance_max", per=None),)),
+                Panel("bytes", "Bytes / s sent", (Line("sent_bytes_per_s", "bytes_pushed", label="sent"),), unit="B/s"))
+
+    def job(self, config: Config, runner: Runner) -> _P2PJob:
+        return _P2PJob(config, runner)
+
+    def hosters(self) -> dict[type, Hoster]:
+        return {ReplicaSpec: host_replica}
+
+
+P2P = _P2P()

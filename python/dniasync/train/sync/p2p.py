@@ -1,0 +1,741 @@
+"""Peer-to-peer weight sharing (Strom 2015, the y2 cluster): no PS, every peer sends every other its updates.
+
+Each peer keeps two copies of the weights: the **shared copy** ``w`` (what
+every peer converges on) and the **local** weights the model trains (views of
+a local :class:`~dniasync._core.ParamStore` that runs the job's optimizer).
+After a step (``local_steps = 1``) or after H inner steps (``local_steps = H``,
+DiLoCo) the change ``local - base`` is encoded by the codec (``threshold``:
++-tau per element that crossed it, the rest kept in this peer's residual;
+``none``: dense float32) into an :class:`Update` with the next sequence number
+of this peer. The peer applies exactly that update to its own ``w`` and sends it
+to the others; every update it receives is applied once (a ledger per origin
+drops duplicates), so all copies hold the same sum of updates, only in
+flight apart. With H > 1 the updates are pseudo-gradients: received ones wait,
+and at each outer step the outer optimizer (Nesterov) applies the mean of the
+peer's own and those received since its last one.
+
+Who sends to whom: with ``fanout = 0`` the origin sends to every peer. With
+``fanout = k`` each update travels down a k-ary tree over the ring of peers
+(sorted by address) rooted at its origin: the peer at ring distance r from
+the origin forwards it to distances ``r*k + 1 .. r*k + k``; k = 1 is a chain.
+Every update reaches every peer whose view of the membership agrees; the
+ledger repairs what a changing membership, a lost message or a slow peer left
+out:
+
+- every ``tick_s`` each peer tells every other how many updates it has sent
+  (:class:`Ledger`); an update of a live origin missing from a ledger for two
+  ticks is asked for again from its origin (:class:`Resend`; an origin keeps
+  its latest updates, ``keep_bytes`` of them);
+- a peer missing more than ``max_lag`` updates (frozen, cut off, late),
+  or still missing one after three resends, takes a dense copy of the shared
+  weights, with their ledger, from the origin it misses most of (whose copy
+  holds every update of its own) (:class:`DenseRequest`), re-applies its own
+  updates the copy lacks, and goes on;
+- a peer never waits for another: sends are ``tell_nowait`` (a full outbox
+  drops the update, counted), and nothing is sent to a peer silent for
+  ``silent_s`` (it catches up through its ledger once back).
+
+A joining peer (``P2PSpec.warm``) takes a dense copy before its first step.
+The membership is the job runner's (:class:`Peers`), plus any peer heard
+from directly that the runner has not taken out (a peer whose inbox was not
+up yet when a change was told still learns of the others). The peer's
+messages arrive at a child actor of its trainer
+(:class:`PeerInbox`, named :func:`inbox_name`), so the trainer itself needs
+no handler for them; the job runner sends it membership changes
+(:class:`Peers`) and asks it for copies (evaluation, consensus distance) and
+statistics (:class:`P2PStatsRequest`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+from prometheus_client.metrics_core import Metric
+from torch import nn
+
+from ...actors import Actor, ActorError, ActorRef, ActorSystem, handler, message
+from ...metrics import Families, Tracker, add_sample, track
+from ..compression import CompressedTensor, make_codec
+from ..flat import FlatModel, flatten_parameters
+from ..specs import P2PSpec
+from .base import SyncContext, SyncKind, SyncStats, register
+from .outer import OuterOptimizer
+
+if TYPE_CHECKING:
+    from .base import WeightSync
+
+__all__ = [
+    "FAMILIES",
+    "P2P_SEGMENT",
+    "DenseCopy",
+    "DenseRequest",
+    "Ledger",
+    "P2PStatsRequest",
+    "P2PSync",
+    "PeerInbox",
+    "Peers",
+    "Resend",
+    "Update",
+    "inbox_name",
+]
+
+log = logging.getLogger("dniasync.train.sync.p2p")
+
+P2P_SEGMENT: Final = "params"
+INDEX_MASK: Final = np.uint32(0x7FFFFFFF)
+DENSE_COPY_COOLDOWN_S: Final = 1.0
+"""A peer takes at most one dense copy per this interval (the copy itself repairs what it can)."""
+RESENDS_BEFORE_COPY: Final = 3
+DENSE_TIMEOUT_S: Final = 10.0
+
+
+def inbox_name(trainer: str) -> str:
+    """The name of the actor that receives the peer messages of ``trainer`` (on the trainer's node)."""
+    return f"p2p-{trainer}"
+
+
+# -- wire ---------------------------------------------------------------------------------
+@message("dniasync.train.sync.p2p.Update")
+@dataclass(frozen=True)
+class Update:
+    """One peer's coded update (``seq``-th of ``origin``); ``sender`` is the peer it came from directly."""
+
+    origin: str
+    """The origin's inbox address and incarnation, ``address#incarnation``."""
+    seq: int
+    codec: str
+    payload: np.ndarray
+    sender: str
+
+
+@message("dniasync.train.sync.p2p.Peers")
+@dataclass(frozen=True)
+class Peers:
+    """The job runner's view of the live peers' inboxes (a membership change, or its periodic repeat)."""
+
+    epoch: int
+    peers: list[ActorRef]
+
+
+@message("dniasync.train.sync.p2p.Ledger")
+@dataclass(frozen=True)
+class Ledger:
+    """Periodic, to every peer: ``origin`` has sent ``sent`` updates (and is alive)."""
+
+    origin: str
+    sent: int
+
+
+@message("dniasync.train.sync.p2p.Resend")
+@dataclass(frozen=True)
+class Resend:
+    """Ask an origin to send its updates ``seqs`` again, to ``requester`` directly."""
+
+    requester: ActorRef
+    seqs: list[int]
+
+
+@message("dniasync.train.sync.p2p.DenseRequest")
+@dataclass(frozen=True)
+class DenseRequest:
+    """Ask a peer for its shared weights and the ledger they stand for (a :class:`DenseCopy`)."""
+
+
+@message("dniasync.train.sync.p2p.DenseCopy")
+@dataclass(frozen=True)
+class DenseCopy:
+    """A peer's shared weights; ``ledger``: origin -> ``[have, *extra]`` (every update up to ``have``, and those)."""
+
+    peer: str
+    values: np.ndarray
+    ledger: dict[str, list[int]]
+    steps: int
+
+
+@message("dniasync.train.sync.p2p.P2PStatsRequest")
+@dataclass(frozen=True)
+class P2PStatsRequest:
+    """Ask a peer for its counters and ledger (a plain dict, see :meth:`P2PSync.report`)."""
+
+
+@message("dniasync.train.sync.p2p.Tick")
+@dataclass(frozen=True)
+class _Tick:
+    pass
+
+
+# -- the ledger -------------------------------------------------------------------------------
+@dataclass
+class _Received:
+    """Which updates of one origin are in the shared copy: all up to ``have``, and ``extra`` above it."""
+
+    have: int = 0
+    extra: set[int] = field(default_factory=set)
+    high: int = 0
+    """The highest seq known to exist (received, or announced by the origin's :class:`Ledger`)."""
+
+    def __contains__(self, seq: int) -> bool:
+        return seq <= self.have or seq in self.extra
+
+    def add(self, seq: int) -> None:
+        self.extra.add(seq)
+        while self.have + 1 in self.extra:
+            self.have += 1
+            self.extra.discard(self.have)
+        self.high = max(self.high, seq)
+
+    def missing(self) -> list[int]:
+        return [s for s in range(self.have + 1, self.high + 1) if s not in self.extra]
+
+    def count(self) -> int:
+        return self.have + len(self.extra)
+
+    def wire(self) -> list[int]:
+        return [self.have, *sorted(self.extra)]
+
+    @classmethod
+    def from_wire(cls, entry: Sequence[int]) -> _Received:
+        got = cls(int(entry[0]), {int(s) for s in entry[1:]})
+        got.high = max([got.have, *got.extra])
+        return got
+
+
+# -- metrics -----------------------------------------------------------------------------------
+FAMILIES = Families()
+P2P_BYTES = FAMILIES.counter(
+    "dniasync_p2p_bytes_total",
+    "Payload bytes of peer-to-peer updates and dense copies (direction: sent, received).", "direction")
+P2P_UPDATES = FAMILIES.counter(
+    "dniasync_p2p_updates_total",
+    "Peer-to-peer updates: own sent (sent), forwarded for others (forwarded), received new (received), "
+    "received again (duplicate), applied to the shared copy (applied), not sent to a silent or full peer (skipped).",
+    "event")
+P2P_DENSE = FAMILIES.counter("dniasync_p2p_dense_copies_total",
+                             "Dense copies of the shared weights a peer took from a neighbour or gave one (role).",
+                             "role")
+P2P_PEERS = FAMILIES.gauge("dniasync_p2p_peers_alive", "Peers in this peer's view of the membership (itself included).")
+P2P_LAG = FAMILIES.gauge("dniasync_p2p_lag_updates",
+                         "Updates of live peers known to exist that this peer's shared copy lacks.")
+
+
+def _collect(system: ActorSystem, syncs: Sequence[P2PSync]) -> Iterator[Metric]:
+    families = {d: d.family() for d in (P2P_BYTES, P2P_UPDATES, P2P_DENSE)}
+    for sync in syncs:
+        c = sync.counters
+        add_sample(families[P2P_BYTES], ["sent"], c.bytes_sent)
+        add_sample(families[P2P_BYTES], ["received"], c.bytes_received)
+        for event in ("sent", "forwarded", "received", "duplicate", "applied", "skipped"):
+            add_sample(families[P2P_UPDATES], [event], getattr(c, event))
+        add_sample(families[P2P_DENSE], ["taken"], c.dense_taken)
+        add_sample(families[P2P_DENSE], ["given"], c.dense_given)
+    yield from families.values()
+    if syncs:
+        yield P2P_PEERS.single(len(syncs[0].members))
+        yield P2P_LAG.single(sum(s.lag() for s in syncs))
+
+
+PEERS: Final[Tracker[P2PSync]] = Tracker("p2p_peers", _collect)
+
+
+@dataclass
+class _Counters:
+    sent: int = 0
+    forwarded: int = 0
+    received: int = 0
+    duplicate: int = 0
+    applied: int = 0
+    skipped: int = 0
+    resends_asked: int = 0
+    resent: int = 0
+    dense_taken: int = 0
+    dense_given: int = 0
+    lost_own: int = 0
+    """Own updates a dense copy lacked that were no longer kept to re-apply."""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    dense_bytes_sent: int = 0
+    """What the own updates sent would take as float32."""
+
+
+# -- the sync ------------------------------------------------------------------------------
+class P2PSync:
+    """One peer's side of peer-to-peer sharing (see the module's docstring); built by :func:`_build`."""
+
+    pulls_params = False
+
+    def __init__(self, spec: P2PSpec, model: nn.Module, ctx: SyncContext) -> None:
+        if spec.codec not in ("threshold", "none"):
+            raise ValueError(f"p2p codec must be 'threshold' or 'none', got {spec.codec!r}")
+        if spec.local_steps < 1 or spec.max_lag < 1 or spec.fanout < 0:
+            raise ValueError("p2p needs local_steps >= 1, max_lag >= 1 and fanout >= 0")
+        self.spec = spec
+        self.ctx = ctx
+        init = flatten_parameters(model)
+        self.n = int(init.size)
+        self.w: NDArray[np.float32] = init.copy()
+        """The shared copy: the sum of every update applied (own and received)."""
+        self.base: NDArray[np.float32] = init.copy()
+        """``w`` when the local weights were last set to it: ``local - base`` is this peer's own progress."""
+        self.store = ctx.optimizer.store([(P2P_SEGMENT, self.n)])
+        self.store.write(P2P_SEGMENT, init)
+        self._flat = FlatModel(model, self.store.view(P2P_SEGMENT))
+        self.lr = ctx.optimizer.lr
+        self.scale = 1.0
+        self.codec = make_codec(spec.codec, self.n, tau=spec.tau)  # type: ignore[arg-type]
+        self.inner = 0
+        """Inner steps taken since the last update was coded."""
+        self.steps = 0
+        self._coded: list[CompressedTensor] = []
+        """Own updates coded on the worker thread, applied and sent by :meth:`sync` on the loop."""
+        self.seq = 0
+        self._own: deque[tuple[int, str, np.ndarray]] = deque()
+        self._own_bytes = 0
+        self.ledger: dict[str, _Received] = {}
+        self._pending: list[tuple[str, int, NDArray[np.float32]]] = []
+        """With local steps: received pseudo-gradients waiting for the next outer step (origin, seq, update)."""
+        self._outer: OuterOptimizer | None = None
+        self.counters = _Counters()
+        self.epoch = spec.epoch
+        self.me = ""
+        """This peer's inbox address (set once the inbox runs)."""
+        self.origin = ""
+        self.members: list[str] = []
+        """Inbox addresses of the live peers, sorted (this one's included)."""
+        self._refs: dict[str, ActorRef] = {}
+        self._gone: set[str] = set()
+        """Peers the job runner took out of the membership (a late word from them does not bring them back)."""
+        self._initial_peers = list(spec.peers)
+        self.heard: dict[str, float] = {}
+        self.announced: dict[str, int] = {}
+        """origin -> the sent count its last :class:`Ledger` announced."""
+        self._asked: dict[tuple[str, int], int] = {}
+        """(origin, seq) -> resends asked for it so far."""
+        self._missing_before: set[tuple[str, int]] = set()
+        self._last_copy = -1e9
+        self.inbox: ActorRef | None = None
+        self._started = False
+        self._closed = False
+        self._restart_pending = False
+
+    # -- WeightSync: the trainer's side -------------------------------------------------
+    @property
+    def flat(self) -> FlatModel:
+        return self._flat
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return None
+
+    def zero_grad(self) -> None:
+        for p in self._flat.model.parameters():
+            p.grad = None
+
+    def step(self) -> None:
+        """Worker thread: the local optimizer steps the local weights; every H steps their change is coded."""
+        self._flat.accumulate_grad()
+        self.store.step(P2P_SEGMENT, self._flat.grad.numpy(), self.lr * self.scale)
+        self._flat.grad.zero_()
+        self.steps += 1
+        self.inner += 1
+        if self.inner >= self.spec.local_steps:
+            self.inner = 0
+            change = self.store.view(P2P_SEGMENT) - self.base
+            self._coded.append(self.codec.compress(change))  # the residual stays in the codec
+
+    def steps_per_call(self, steps: int) -> int:
+        return self.spec.local_steps - self.inner
+
+    async def ready(self) -> None:
+        if not self._started:
+            self._started = True
+            await self._start()
+        if self._restart_pending and not self._coded and self.inner == 0:  # no step runs now: safe to restart
+            self._restart_local()
+
+    async def sync(self, samples: int) -> None:
+        """Loop: apply the coded own updates to the shared copy, send them, restart the local weights from it."""
+        if not self._coded:
+            return
+        coded, self._coded = self._coded, []
+        for compressed in coded:
+            self.seq += 1
+            payload = compressed.payload
+            self._keep(self.seq, compressed.codec, payload)
+            update = Update(self.origin, self.seq, compressed.codec, payload, self.me)
+            self.counters.sent += 1
+            self.counters.dense_bytes_sent += 4 * self.n
+            self._spread(update, own=True)
+            if self.spec.local_steps == 1:
+                self._apply(self.origin, self.seq, compressed.codec, payload)
+            else:
+                self._outer_step(self._decode(compressed.codec, payload))
+                self._mark(self.origin, self.seq)
+        self._restart_local()
+
+    def _keep(self, seq: int, codec: str, payload: np.ndarray) -> None:
+        self._own.append((seq, codec, payload))
+        self._own_bytes += int(payload.nbytes)
+        while self._own_bytes > self.spec.keep_bytes and len(self._own) > 1:
+            self._own_bytes -= int(self._own.popleft()[2].nbytes)
+
+    def _restart_local(self) -> None:
+        self._restart_pending = False
+        np.copyto(self.base, self.w)
+        self.store.write(P2P_SEGMENT, self.w)
+
+    def scale_lr(self, scale: float) -> None:
+        self.scale = scale
+
+    def lr_now(self) -> float:
+        return self.lr * self.scale
+
+    async def flush(self) -> None:
+        await self.sync(0)
+
+    def relinked(self, layers: nn.Module) -> WeightSync:
+        raise NotImplementedError("p2p sharing is for data-parallel replicas: their layers never move")
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = {"shared": torch.from_numpy(self.w.copy())}
+        for slot in range(1, self.store.state_slots + 1):
+            out[f"state{slot}"] = torch.from_numpy(self.store.view(P2P_SEGMENT, state=slot).copy())
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        np.copyto(self.w, state["shared"].numpy())
+        for slot in range(1, self.store.state_slots + 1):
+            self.store.write(P2P_SEGMENT, state[f"state{slot}"].numpy(), state=slot)
+        self._restart_local()
+
+    def stats(self) -> SyncStats:
+        c = self.counters
+        extra = {"updates_received": c.received, "updates_applied": c.applied, "updates_forwarded": c.forwarded,
+                 "updates_skipped": c.skipped, "dense_copies": c.dense_taken, "lag": self.lag()}
+        return SyncStats(
+            bytes_pushed=c.bytes_sent, bytes_pulled=c.bytes_received, dense_bytes_pushed=c.dense_bytes_sent,
+            pushes=c.sent, pulls=c.dense_taken, extra={k: v for k, v in extra.items() if v},
+        )
+
+    async def close(self) -> None:
+        self._closed = True
+        if self.inbox is not None:
+            self.inbox = None
+
+    # -- start: the inbox, and a late joiner's dense copy -----------------------------------
+    async def _start(self) -> None:
+        actor = self.ctx.actor
+        if actor is not None:
+            self.inbox = await actor.spawn(PeerInbox, self, name=inbox_name(self.ctx.name))
+            self.me = self.inbox.address
+            track(actor.system, PEERS, self.inbox, self)
+        else:  # no actor to receive with: a lone peer (a test of the sync alone)
+            self.me = inbox_name(self.ctx.name)
+        self.origin = f"{self.me}#{self.ctx.incarnation}"
+        self._set_members(self._initial_peers)
+        if self.spec.warm:
+            for peer in self._initial_peers:
+                if peer.address != self.me and await self._copy_from(peer):
+                    break
+            else:
+                log.warning("peer %s: no peer gave a dense copy; starting from the initial weights", self.me)
+
+    # -- membership ----------------------------------------------------------------------
+    def _set_members(self, refs: Iterable[ActorRef]) -> None:
+        now = self.ctx.clock()
+        self._refs = {ref.address: ref for ref in refs if ref.address != self.me}
+        for address in self._refs:
+            self.heard.setdefault(address, now)  # a newcomer gets silent_s before it counts as silent
+        self.members = sorted({*self._refs, self.me})
+
+    def on_peers(self, msg: Peers) -> None:
+        if msg.epoch < self.epoch:
+            return
+        self.epoch = msg.epoch
+        listed = {ref.address for ref in msg.peers}
+        self._gone |= set(self._refs) - listed
+        self._gone -= listed
+        self._set_members(msg.peers)
+
+    def _heard_from(self, address: str, origin: str | None = None) -> None:
+        """A message came from ``address``: a peer the membership lacks joins it (unless the runner took it out)."""
+        self.heard[address] = self.ctx.clock()
+        actor = self.ctx.actor
+        if address not in self._refs and address != self.me and address not in self._gone and actor is not None:
+            self._set_members([*self._refs.values(), actor.system.ref(address)])
+
+    def _alive_origin(self, origin: str) -> bool:
+        return origin.partition("#")[0] in self.members
+
+    # -- spreading ------------------------------------------------------------------------
+    def _targets(self, origin_address: str) -> list[str]:
+        """Where a holder of an update of ``origin_address`` sends it: its children in the origin's tree."""
+        members, k = self.members, self.spec.fanout
+        if self.me not in members or origin_address not in members:
+            return [] if origin_address != self.me else [m for m in members if m != self.me]
+        n = len(members)
+        root, mine = members.index(origin_address), members.index(self.me)
+        r = (mine - root) % n
+        if k == 0 or k >= n - 1:
+            return [m for m in members if m != self.me] if r == 0 else []
+        return [members[(root + child) % n] for child in range(r * k + 1, min(r * k + k, n - 1) + 1)]
+
+    def _spread(self, update: Update, *, own: bool) -> None:
+        origin_address = update.origin.partition("#")[0]
+        targets = self._targets(origin_address)
+        out = Update(update.origin, update.seq, update.codec, update.payload, self.me)
+        now = self.ctx.clock()
+        for address in targets:
+            if now - self.heard.get(address, now) > self.spec.silent_s:
+                self.counters.skipped += 1  # a silent peer catches up from its ledger once back
+                continue
+            if self._tell(self._refs[address], out):
+                self.counters.bytes_sent += int(update.payload.nbytes)
+                if not own:
+                    self.counters.forwarded += 1
+            else:
+                self.counters.skipped += 1
+
+    def _tell(self, ref: ActorRef, msg: Any) -> bool:
+        try:
+            ref.tell_nowait(msg)
+        except ActorError as exc:
+            log.debug("peer %s: %s to %s not sent: %s", self.me, type(msg).__name__, ref, exc)
+            return False
+        return True
+
+    # -- receiving ------------------------------------------------------------------------
+    def on_update(self, msg: Update) -> None:
+        self._heard_from(msg.sender)
+        self.counters.bytes_received += int(msg.payload.nbytes)
+        got = self.ledger.get(msg.origin)
+        if got is not None and msg.seq in got:
+            self.counters.duplicate += 1
+            return
+        self.counters.received += 1
+        self._spread(msg, own=False)
+        if self.spec.local_steps == 1:
+            self._apply(msg.origin, msg.seq, msg.codec, msg.payload)
+        else:
+            self._pending.append((msg.origin, msg.seq, self._decode(msg.codec, msg.payload)))
+            self._mark(msg.origin, msg.seq)
+
+    def _decode(self, codec: str, payload: np.ndarray) -> NDArray[np.float32]:
+        if codec != self.spec.codec:
+            raise ValueError(f"peer {self.me}: an update coded with {codec!r}, this job codes with {self.spec.codec!r}")
+        return self.codec.extract(CompressedTensor(codec, (self.n,), np.ascontiguousarray(payload, dtype=np.uint8)))
+
+    def _apply(self, origin: str, seq: int, codec: str, payload: np.ndarray) -> None:
+        """Add one update to the shared copy (only the coded elements, for ``threshold``) and mark it."""
+        if codec == "threshold" and codec == self.spec.codec:
+            codes = np.ascontiguousarray(payload, dtype=np.uint8).view(np.uint32)
+            tau = np.float32(self.spec.tau)
+            signs = np.where(codes >> np.uint32(31), -tau, tau).astype(np.float32)
+            self.w[codes & INDEX_MASK] += signs  # indices of one payload are distinct
+        else:
+            self.w += self._decode(codec, payload)
+        self._mark(origin, seq)
+
+    def _mark(self, origin: str, seq: int) -> None:
+        self.ledger.setdefault(origin, _Received()).add(seq)
+        self.counters.applied += 1
+
+    def _outer_step(self, own: NDArray[np.float32]) -> None:
+        """Local steps: the outer optimizer applies the mean of this peer's and the waiting received updates."""
+        if self._outer is None:
+            self._outer = OuterOptimizer(self.n, lr=self.spec.outer_lr, momentum=self.spec.outer_momentum)
+        total = own.copy()
+        for _, _, update in self._pending:
+            total += update
+        mean = (total / np.float32(1 + len(self._pending))).astype(np.float32)
+        self._pending.clear()
+        self._outer.step(self.w, -mean, out=self.w)  # the pseudo-gradient is minus the change
+
+    def on_ledger(self, msg: Ledger) -> None:
+        self._heard_from(msg.origin.partition("#")[0])
+        self.announced[msg.origin] = max(self.announced.get(msg.origin, 0), msg.sent)
+        got = self.ledger.setdefault(msg.origin, _Received())
+        got.high = max(got.high, msg.sent)
+
+    def on_resend(self, msg: Resend) -> None:
+        kept = {seq: (codec, payload) for seq, codec, payload in self._own}
+        self._heard_from(msg.requester.address)
+        for seq in msg.seqs:
+            if seq in kept:
+                codec, payload = kept[seq]
+                if self._tell(msg.requester, Update(self.origin, seq, codec, payload, self.me)):
+                    self.counters.resent += 1
+                    self.counters.bytes_sent += int(payload.nbytes)
+
+    # -- dense copies ------------------------------------------------------------------------
+    def dense_copy(self) -> DenseCopy:
+        """The shared weights and the ledger they stand for (received updates still waiting excluded)."""
+        ledger = {o: _Received(r.have, set(r.extra), r.high) for o, r in self.ledger.items()}
+        for origin, seq, _ in self._pending:
+            got = ledger[origin]
+            if seq <= got.have:
+                got.extra |= set(range(seq + 1, got.have + 1))
+                got.have = seq - 1
+            got.extra.discard(seq)
+        self.counters.dense_given += 1
+        self.counters.bytes_sent += 4 * self.n
+        return DenseCopy(self.me, self.w.copy(), {o: r.wire() for o, r in ledger.items()}, self.steps)
+
+    async def _copy_from(self, peer: ActorRef) -> bool:
+        """Take ``peer``'s shared weights and ledger; re-apply own updates the copy lacks. False if it failed."""
+        try:
+            reply = await peer.ask(DenseRequest(), timeout=DENSE_TIMEOUT_S)
+        except ActorError as exc:
+            log.info("peer %s: no dense copy from %s: %s", self.me, peer, exc)
+            return False
+        if not isinstance(reply, DenseCopy) or reply.values.shape != (self.n,):
+            log.warning("peer %s: %s answered a dense copy request with %r", self.me, peer, type(reply).__name__)
+            return False
+        self._last_copy = self.ctx.clock()
+        highs = {o: r.high for o, r in self.ledger.items()}
+        np.copyto(self.w, reply.values)
+        self.ledger = {o: _Received.from_wire(entry) for o, entry in reply.ledger.items()}
+        for origin, high in highs.items():
+            got = self.ledger.setdefault(origin, _Received())
+            got.high = max(got.high, high)
+        self._pending.clear()
+        mine = self.ledger.setdefault(self.origin, _Received())
+        kept = {seq: (codec, payload) for seq, codec, payload in self._own}
+        for seq in range(1, self.seq + 1):
+            if seq in mine:
+                continue
+            if seq in kept:
+                codec, payload = kept[seq]
+                if self.spec.local_steps == 1:
+                    self._apply(self.origin, seq, codec, payload)
+                else:  # a pseudo-gradient the copy lacks goes in with the next outer step
+                    self._pending.append((self.origin, seq, self._decode(codec, payload)))
+                    mine.add(seq)
+            else:
+                self.counters.lost_own += 1
+                mine.add(seq)
+        self._asked.clear()
+        self._missing_before.clear()
+        self.counters.dense_taken += 1
+        self.counters.bytes_received += int(reply.values.nbytes)
+        self._restart_pending = True  # the trainer restarts from the copy between two steps (ready or sync)
+        log.info("peer %s: took a dense copy from %s (%d steps there)", self.me, reply.peer, reply.steps)
+        return True
+
+    # -- the tick: announce, find what is missing, repair -------------------------------------------
+    def lag(self) -> int:
+        """Updates of live peers known to exist that the shared copy lacks."""
+        return sum(len(r.missing()) for o, r in self.ledger.items() if self._alive_origin(o) and o != self.origin)
+
+    async def tick(self) -> None:
+        if self._closed or self.inbox is None:
+            return
+        announce = Ledger(self.origin, self.seq)
+        for ref in self._refs.values():
+            self._tell(ref, announce)
+        missing = {(o, s) for o, r in self.ledger.items() if self._alive_origin(o) and o != self.origin
+                   for s in r.missing()}
+        now = self.ctx.clock()
+        stuck = [origin for origin, seq in missing if self._asked.get((origin, seq), 0) >= RESENDS_BEFORE_COPY]
+        if (len(missing) > self.spec.max_lag or stuck) and now - self._last_copy >= DENSE_COPY_COOLDOWN_S:
+            counts: dict[str, int] = {}
+            for origin, _ in missing:
+                counts[origin] = counts.get(origin, 0) + 1
+            source = stuck[0] if stuck else max(counts, key=lambda o: counts[o])
+            log.info("peer %s: %d updates missing (%d after resends): a dense copy from %s", self.me, len(missing),
+                     len(stuck), source)
+            if await self._copy_from_neighbour(source.partition("#")[0]):
+                return
+        ask: dict[str, list[int]] = {}
+        for origin, seq in sorted(missing & self._missing_before):  # missing for a whole tick: not in flight
+            ask.setdefault(origin, []).append(seq)
+            self._asked[(origin, seq)] = self._asked.get((origin, seq), 0) + 1
+        self._missing_before = missing
+        if self.inbox is not None:
+            for origin, seqs in ask.items():
+                target = self._refs.get(origin.partition("#")[0])
+                if target is not None and self._tell(target, Resend(self.inbox, seqs)):
+                    self.counters.resends_asked += len(seqs)
+
+    async def _copy_from_neighbour(self, first: str) -> bool:
+        """A dense copy from ``first`` (the origin missed most: its copy holds all its own updates), else another."""
+        others = [a for a in self._refs if a != first]
+        random.shuffle(others)
+        for address in [first, *others] if first in self._refs else others:
+            if await self._copy_from(self._refs[address]):
+                return True
+        self._last_copy = self.ctx.clock()
+        return False
+
+    def report(self) -> dict[str, Any]:
+        """Counters and ledger for the job runner: what this peer sent, and which updates its copy holds."""
+        c = self.counters
+        return {
+            "peer": self.me, "origin": self.origin, "sent": self.seq, "steps": self.steps,
+            "ledger": {o: r.count() for o, r in self.ledger.items()},
+            "complete": {o: r.have for o, r in self.ledger.items()},
+            "lag": self.lag(), "members": list(self.members),
+            "counters": {name: int(getattr(c, name)) for name in c.__dataclass_fields__},
+        }
+
+
+class PeerInbox(Actor):
+    """Receives a peer's messages for its :class:`P2PSync` (a child of the trainer, named :func:`inbox_name`)."""
+
+    mailbox_size = 4096
+
+    def __init__(self, sync: P2PSync) -> None:
+        self.sync = sync
+
+    async def on_start(self) -> None:
+        self.send_later(self.sync.spec.tick_s * random.uniform(0.5, 1.0), _Tick())
+
+    @handler
+    def update(self, msg: Update) -> None:
+        self.sync.on_update(msg)
+
+    @handler
+    def peers(self, msg: Peers) -> None:
+        self.sync.on_peers(msg)
+
+    @handler
+    def ledger(self, msg: Ledger) -> None:
+        self.sync.on_ledger(msg)
+
+    @handler
+    def resend(self, msg: Resend) -> None:
+        self.sync.on_resend(msg)
+
+    @handler
+    def dense(self, msg: DenseRequest) -> DenseCopy:
+        return self.sync.dense_copy()
+
+    @handler
+    def stats(self, msg: P2PStatsRequest) -> dict[str, Any]:
+        return self.sync.report()
+
+    @handler
+    async def tick(self, msg: _Tick) -> None:
+        started = time.monotonic()
+        try:
+            await self.sync.tick()
+        finally:
+            spent = time.monotonic() - started
+            self.send_later(max(0.0, self.sync.spec.tick_s - spent), _Tick())
+
+
+def _build(spec: P2PSpec, model: nn.Module, ctx: SyncContext) -> P2PSync:
+    return P2PSync(spec, model, ctx)
+
+
+register(SyncKind("p2p", P2PSpec, _build, needs_ps=False, owns_optimizer=False,
+                  doc="peer to peer (Strom 2015): each peer's quantized updates reach every other (sent to all, or "
+                      "gossiped down a tree), no PS; the peer's own ParamStore runs [optimizer] on its local steps"))
