@@ -20,7 +20,9 @@ through the coordinator. The coordinator keeps job control only:
   summary holds the series);
 - at the end it waits (at most :data:`SETTLE_S`) for every live peer's ledger
   to hold every update the live peers sent, then puts each peer's counters
-  and ledger, the bytes sent per step and the consensus figures into the summary.
+  and ledger, the bytes sent per step and the consensus figures into the
+  summary (``consensus_distance_settled``: the distance once settled, which
+  only float rounding keeps above 0).
 """
 
 from __future__ import annotations
@@ -225,14 +227,14 @@ class _P2PJob(DataParallelJob):
         report.set_metric("p2p_ledgers_complete", complete)
         origins = {s["origin"]: name for name, s in stats.items()}
         for name, s in stats.items():
-            report.set_metric(f"p2p.{name}.sent", int(s["sent"]))
-            report.set_metric(f"p2p.{name}.steps", int(s["steps"]))
+            report.set_metric(f"p2p/{name}/sent", int(s["sent"]))
+            report.set_metric(f"p2p/{name}/steps", int(s["steps"]))
             for counter in ("dense_taken", "dense_given", "received", "duplicate", "forwarded", "skipped",
                             "resends_asked", "resent", "lost_own"):
-                report.set_metric(f"p2p.{name}.{counter}", int(s["counters"][counter]))
+                report.set_metric(f"p2p/{name}/{counter}", int(s["counters"][counter]))
             for origin, count in s["ledger"].items():
                 if origin in origins:
-                    report.set_metric(f"p2p.{name}.has.{origins[origin]}", int(count))
+                    report.set_metric(f"p2p/{name}/has/{origins[origin]}", int(count))
         if self.consensus:
             last = self.consensus[-1]
             report.set_metric("consensus_distance_max", last["max"])
@@ -241,6 +243,13 @@ class _P2PJob(DataParallelJob):
             report.set_metric("consensus_distance_mean_avg",
                               sum(c["mean"] for c in self.consensus) / len(self.consensus))
         report.set_metric("consensus_evaluations", len(self.consensus))
+        measured = len(self.consensus)
+        try:  # once settled, every live peer's copy holds the same updates: what is left is float rounding
+            await self.snapshot()
+        except ActorError as exc:
+            log.warning("no settled consensus distance: %s", exc)
+        if len(self.consensus) > measured:
+            report.set_metric("consensus_distance_settled", self.consensus.pop()["max"])
         out = Path(self.config.output_dir)
         await self.runner.run_blocking(_write_json, out / "consensus.json", self.consensus)
 
