@@ -33,7 +33,7 @@ worth / the worst PS kill's loss; goal >= 1), ``checkpoint_samples_per_s_vs_none
 (training samples/s while checkpointing every 10 s / without; goal >= 0.95).
 
 **The pipeline job** is ``examples/dni_downpour_mnist.toml`` (the same MLP
-cut into 2 layer groups, cDNI, 2 pipelines whose replicated stages share a
+cut into 2 stages, cDNI, 2 pipelines whose replicated stages share a
 PS shard per group: 4 worker processes, 2 PS processes), with an epoch
 budget, checkpoints every ``CHECKPOINT_S`` and its own target
 ``PIPELINE_TARGET`` (90%, the example's). The same five faults: killing a

@@ -5,9 +5,9 @@ weights, optimizer, learning rate, batch size, batch order and epochs:
 
 - ``backprop``: sequential backprop in this process (the reference);
 - ``sync``: dniasync's synchronous pipeline (real gradients, GPipe-style
-  micro-batches), 2 layer groups in 2 worker processes;
+  micro-batches), 2 stages in 2 worker processes;
 - ``dni`` / ``cdni``: dniasync's DNI pipeline with synthetic gradients
-  (cDNI: conditioned on the labels), 2 layer groups in 2 worker processes.
+  (cDNI: conditioned on the labels), 2 stages in 2 worker processes.
 
 Every pipeline runs through the real launcher (``python -m dniasync.node
 --role local``): a coordinator process drives it over loopback websockets and
@@ -162,7 +162,7 @@ def run_pipeline(config_path: Path, out: Path) -> dict[str, Any]:
         "samples": doc["samples"], "final_accuracy": doc["final_accuracy"], "best_accuracy": doc["best_accuracy"],
         "time_to_90_s": time_to(history, TARGET), "history": history,
         "launcher_s": time.perf_counter() - started,
-        "group_addresses": [doc["metrics"]["group0_address"], doc["metrics"]["group1_address"]],
+        "group_addresses": [doc["metrics"]["stage0_address"], doc["metrics"]["stage1_address"]],
     }
 
 

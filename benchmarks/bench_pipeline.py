@@ -218,12 +218,12 @@ def run_launcher(config_path: Path, out: Path) -> dict[str, Any]:
     return {"processes": 2, "samples_per_s": m["train_samples_per_s"], "wall_s": doc["wall_s"],
             "final_accuracy": doc["final_accuracy"], "best_accuracy": doc["best_accuracy"], "history": history,
             "launcher_s": time.perf_counter() - started,
-            "version_gap_mean": [m.get(f"group{k}_version_gap_mean", 0.0) for k in range(2)],
-            "stash_peak_bytes": [m.get(f"group{k}_stash_peak_bytes", 0) for k in range(2)],
+            "version_gap_mean": [m.get(f"stage{k}_version_gap_mean", 0.0) for k in range(2)],
+            "stash_peak_bytes": [m.get(f"stage{k}_stash_peak_bytes", 0) for k in range(2)],
             # per stage and batch: its layers' forward + backward, and all it did for the batch (steps, predictions,
             # SG work, sends); the rest of a batch's wall time per stage is waiting (messaging, the other stage)
-            "layers_ms_per_batch": [m.get(f"group{k}_layers_ms_per_batch") for k in range(2)],
-            "busy_ms_per_batch": [m.get(f"group{k}_busy_ms_per_batch") for k in range(2)]}
+            "layers_ms_per_batch": [m.get(f"stage{k}_layers_ms_per_batch") for k in range(2)],
+            "busy_ms_per_batch": [m.get(f"stage{k}_busy_ms_per_batch") for k in range(2)]}
 
 
 def time_to(history: list[dict[str, Any]], target: float) -> float | None:

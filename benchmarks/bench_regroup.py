@@ -177,7 +177,7 @@ def _stage0_pid(out: Path) -> int | None:
         return None
     for child in doc["children"]:
         log = Path(child["log"])
-        if child["role"] == "worker" and log.exists() and "hosting layer groups [0]" in log.read_text():
+        if child["role"] == "worker" and log.exists() and "hosting stages [0]" in log.read_text():
             return int(child["pid"])
     return None
 

@@ -1,6 +1,6 @@
 """Side-by-side, in one process: backprop vs the synchronous pipeline vs DNI and cDNI.
 
-The acceptance task of issue 6 run in-process (every layer group an actor in
+The acceptance task of issue 6 run in-process (every stage an actor in
 one :class:`~dniasync.actors.ActorSystem`): an MLP on a built-in data set,
 the same initial weights, optimizer, learning rate, batch order and epochs
 for every method. Prints one JSON object (final accuracy, best accuracy,

@@ -193,65 +193,65 @@ def overview() -> dict[str, Any]:
 
 
 def model_parallel() -> dict[str, Any]:
-    gsel = SEL + ', group=~"$group"'
+    ssel = SEL + ', stage=~"$stage"'
     d = Layout()
-    d.row("Layer groups")
-    d.panel("timeseries", "Step time per group", "Mean seconds a group spends on one forward message.",
-            [target(f"sum by (group) (rate(dniasync_dni_group_step_seconds_sum{{{gsel}}}[{RI}])) / "
-                    f"sum by (group) (rate(dniasync_dni_group_step_seconds_count{{{gsel}}}[{RI}]))", "{{group}}")],
+    d.row("Pipeline stages")
+    d.panel("timeseries", "Step time per stage", "Mean seconds a stage spends on one forward message.",
+            [target(f"sum by (stage) (rate(dniasync_stage_step_seconds_sum{{{ssel}}}[{RI}])) / "
+                    f"sum by (stage) (rate(dniasync_stage_step_seconds_count{{{ssel}}}[{RI}]))", "{{stage}}")],
             unit="s", w=12)
-    d.panel("timeseries", "Busy fraction per group", "Seconds of forward work per second (1 = never idle).",
-            [target(f"sum by (group) (rate(dniasync_dni_group_step_seconds_sum{{{gsel}}}[{RI}]))", "{{group}}")],
+    d.panel("timeseries", "Busy fraction per stage", "Seconds of forward work per second (1 = never idle).",
+            [target(f"sum by (stage) (rate(dniasync_stage_step_seconds_sum{{{ssel}}}[{RI}]))", "{{stage}}")],
             unit="percentunit", w=12)
-    d.panel("timeseries", "Synthetic-gradient loss", "Latest regression loss of each group's SG model.",
-            [target(f"max by (group) (dniasync_dni_sg_loss{{{gsel}}})", "{{group}}")], w=12)
-    d.panel("timeseries", "SG staleness", "Mean updates a group made between a batch's forward and the SG fit on "
+    d.panel("timeseries", "Synthetic-gradient loss", "Latest regression loss of each stage's SG model.",
+            [target(f"max by (stage) (dniasync_dni_sg_loss{{{ssel}}})", "{{stage}}")], w=12)
+    d.panel("timeseries", "SG staleness", "Mean updates a stage made between a batch's forward and the SG fit on "
             "its true gradient (the delay the synthetic-gradient model learns across).",
-            [target(f"sum by (group) (rate(dniasync_dni_sg_staleness_updates_sum{{{gsel}}}[{RI}])) / "
-                    f"sum by (group) (rate(dniasync_dni_sg_staleness_updates_count{{{gsel}}}[{RI}]))", "{{group}}")],
+            [target(f"sum by (stage) (rate(dniasync_dni_sg_staleness_updates_sum{{{ssel}}}[{RI}])) / "
+                    f"sum by (stage) (rate(dniasync_dni_sg_staleness_updates_count{{{ssel}}}[{RI}]))", "{{stage}}")],
             w=12)
-    d.panel("timeseries", "Queue depth", "Messages waiting in each group's mailbox.",
-            [target(f"max by (group) (dniasync_dni_group_queue_messages{{{gsel}}})", "{{group}}")], w=12)
-    d.panel("timeseries", "Steps/s", "Optimizer steps per second of each group and of its SG model.",
-            [target(f"sum by (group) (rate(dniasync_dni_group_steps_total{{{gsel}}}[{RI}]))", "{{group}}"),
-             target(f"sum by (group) (rate(dniasync_dni_sg_steps_total{{{gsel}}}[{RI}]))", "SG {{group}}")],
+    d.panel("timeseries", "Queue depth", "Messages waiting in each stage's mailbox.",
+            [target(f"max by (stage) (dniasync_stage_queue_messages{{{ssel}}})", "{{stage}}")], w=12)
+    d.panel("timeseries", "Steps/s", "Optimizer steps per second of each stage and of its SG model.",
+            [target(f"sum by (stage) (rate(dniasync_stage_steps_total{{{ssel}}}[{RI}]))", "{{stage}}"),
+             target(f"sum by (stage) (rate(dniasync_dni_sg_steps_total{{{ssel}}}[{RI}]))", "SG {{stage}}")],
             unit="ops", w=12)
     d.panel("timeseries", "Evictions and late gradients", "Batches evicted before their gradient returned.",
-            [target(f"sum by (group) (rate(dniasync_dni_group_evictions_total{{{gsel}}}[{RI}]))", "evicted {{group}}"),
-             target(f"sum by (group) (rate(dniasync_dni_group_late_gradients_total{{{gsel}}}[{RI}]))",
-                    "late {{group}}")], unit="ops", w=12)
+            [target(f"sum by (stage) (rate(dniasync_stage_evictions_total{{{ssel}}}[{RI}]))", "evicted {{stage}}"),
+             target(f"sum by (stage) (rate(dniasync_stage_late_gradients_total{{{ssel}}}[{RI}]))",
+                    "late {{stage}}")], unit="ops", w=12)
     d.panel("timeseries", "Version gap per stage", "Updates a stage made between a batch's forward and the return of "
             "its true gradient (async, stash, spectrain: the version gap; dni, cdni: the SG fit's staleness).",
-            [target(f"sum by (group) (rate(dniasync_dni_group_version_gap_updates_sum{{{gsel}}}[{RI}])) / "
-                    f"sum by (group) (rate(dniasync_dni_group_version_gap_updates_count{{{gsel}}}[{RI}]))",
-                    "{{group}}")], w=12)
+            [target(f"sum by (stage) (rate(dniasync_stage_version_gap_updates_sum{{{ssel}}}[{RI}])) / "
+                    f"sum by (stage) (rate(dniasync_stage_version_gap_updates_count{{{ssel}}}[{RI}]))",
+                    "{{stage}}")], w=12)
     d.panel("timeseries", "Stash bytes per stage", "Bytes of weight versions a stage holds for batches in flight "
             "(PipeDream weight stashing; 0 for other rules).",
-            [target(f"max by (group) (dniasync_dni_group_stash_bytes{{{gsel}}})", "{{group}}")], unit="bytes", w=12)
+            [target(f"max by (stage) (dniasync_stage_stash_bytes{{{ssel}}})", "{{stage}}")], unit="bytes", w=12)
     d.panel("timeseries", "Prediction error per stage (relative)", "What a stage steps on instead of the truth, "
             "relative: SpecTrain |W_predicted - W| / |W_forward - W| (below 1: the prediction beats no prediction); "
             "dni/cdni |M - g| / |g| of the SG model (above 1: worse than a zero gradient; the synthetic step's lr is "
             "then scaled down).",
-            [target(f"max by (group) (dniasync_dni_group_estimate_error_ratio{{{gsel}}})", "{{group}}")], w=12)
+            [target(f"max by (stage) (dniasync_stage_estimate_error_ratio{{{ssel}}})", "{{stage}}")], w=12)
     d.panel("timeseries", "Compute time per batch per stage", "Forward plus backward seconds a stage spends in its "
             "own layers per trained batch: what regrouping balances (the slowest stage sets the pipeline's pace).",
-            [target(f"sum by (group) (rate(dniasync_dni_group_compute_seconds_sum{{{gsel}}}[{RI}])) / "
-                    f"sum by (group) (rate(dniasync_dni_group_compute_seconds_count{{{gsel}}}[{RI}]))", "{{group}}")],
+            [target(f"sum by (stage) (rate(dniasync_stage_compute_seconds_sum{{{ssel}}}[{RI}])) / "
+                    f"sum by (stage) (rate(dniasync_stage_compute_seconds_count{{{ssel}}}[{RI}]))", "{{stage}}")],
             unit="s", w=12)
     d.panel("timeseries", "Layers per stage and layer moves", "Layers each stage holds now, and layers it gave away "
             "or took in regrouping moves.",
-            [target(f"max by (group) (dniasync_dni_group_layers{{{gsel}}})", "{{group}} layers"),
-             target(f"sum by (group, direction) (increase(dniasync_dni_group_layer_moves_total{{{gsel}}}[{RI}]))",
-                    "{{group}} moved {{direction}}")], w=12)
-    group_var = {"name": "group", "label": "Layer group", "type": "query", "datasource": DS,
-                 "query": {"query": 'label_values(dniasync_dni_group_steps_total{job=~"$job", instance=~"$instance"}, group)',
-                           "refId": "group-values"},
-                 "definition": 'label_values(dniasync_dni_group_steps_total{job=~"$job", instance=~"$instance"}, group)',
+            [target(f"max by (stage) (dniasync_stage_layers{{{ssel}}})", "{{stage}} layers"),
+             target(f"sum by (stage, direction) (increase(dniasync_stage_layer_moves_total{{{ssel}}}[{RI}]))",
+                    "{{stage}} moved {{direction}}")], w=12)
+    stage_var = {"name": "stage", "label": "Stage", "type": "query", "datasource": DS,
+                 "query": {"query": 'label_values(dniasync_stage_steps_total{job=~"$job", instance=~"$instance"}, stage)',
+                           "refId": "stage-values"},
+                 "definition": 'label_values(dniasync_stage_steps_total{job=~"$job", instance=~"$instance"}, stage)',
                  "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*", "sort": 1,
                  "current": {"selected": True, "text": ["All"], "value": ["$__all"]}}
     return dashboard("dniasync-model-parallel", "dniasync / model parallel",
-                     "DNI layer groups: step time, synthetic-gradient loss and queue depth per group.",
-                     d, variables([group_var]))
+                     "Pipeline stages: step time, version gap, synthetic-gradient loss and queue depth per stage.",
+                     d, variables([stage_var]))
 
 
 def main() -> None:

@@ -147,7 +147,7 @@ def env() -> dict[str, str]:
 class LocalCluster:
     """``python -m dniasync.node --role local`` on a digits job, stopped (SIGTERM) on exit.
 
-    ``job``: the config template (:data:`JOB`, Downpour; :data:`DNI_JOB`, two DNI layer groups).
+    ``job``: the config template (:data:`JOB`, Downpour; :data:`DNI_JOB`, two DNI stages).
     """
 
     def __init__(self, tmp: Path, name: str, max_seconds: float = 120, job: str = JOB) -> None:
@@ -197,7 +197,7 @@ class LocalCluster:
 
 
 class DNINode:
-    """A node hosting three DNI layer groups and a driver training them on digits, forever."""
+    """A node hosting three DNI stages and a driver training them on digits, forever."""
 
     def __init__(self, tmp: Path) -> None:
         self.log = open(tmp / "dni-node.log", "w+")

@@ -115,7 +115,7 @@ def test_conditioned_synthetic_gradient_uses_the_labels() -> None:
 @pytest.mark.parametrize(
     ("groups", "problem"),
     [
-        ([], "no layer groups"),
+        ([], "no stages given"),
         ([[0, 1], [], [2, 3, 4]], "group 1 is empty"),
         ([[0, 1], [3, 4]], r"layers \[2\] are in no group"),
         ([[0, 1, 2], [2, 3, 4]], "layer 2 is in group 0 and in group 1"),

@@ -1,4 +1,4 @@
-"""DNI jobs end to end: the real launcher, real processes, layer groups talking over loopback websockets."""
+"""DNI jobs end to end: the real launcher, real processes, stages talking over loopback websockets."""
 
 from __future__ import annotations
 
@@ -78,19 +78,19 @@ def test_two_group_cdni_job_trains_digits_in_separate_processes(tmp_path: Path) 
     assert doc["history"][-1]["samples"] == 8 * 1400  # the last evaluation saw the trained model
     metrics = doc["metrics"]
     # every group trained, the first from synthetic gradients its SG model learned from the second's
-    assert metrics["group0_steps"] > 0 and metrics["group1_steps"] > 0
-    assert metrics["group0_sg_steps"] > 0 and "group0_sg_loss_last" in metrics
+    assert metrics["stage0_steps"] > 0 and metrics["stage1_steps"] > 0
+    assert metrics["stage0_sg_steps"] > 0 and "stage0_sg_loss_last" in metrics
     # a batch's SG fit comes at most 3 updates after its forward: the next forward waits for its Done (window 4)
-    assert 0 <= metrics["group0_sg_staleness_mean"] <= 3, metrics
+    assert 0 <= metrics["stage0_sg_staleness_mean"] <= 3, metrics
     assert metrics["train_samples_per_s"] > 0
     # the groups lived in the two worker processes, not in the coordinator
     children = json.loads((out / "cluster.json").read_text())["children"]
     workers = {c["address"] for c in children if c["role"] == "worker"}
     coordinator = next(c["address"] for c in children if c["role"] == "coordinator")
-    hosts = {metrics["group0_address"].split("@")[1], metrics["group1_address"].split("@")[1]}
+    hosts = {metrics["stage0_address"].split("@")[1], metrics["stage1_address"].split("@")[1]}
     assert hosts == workers and coordinator not in hosts
     assert (out / "accuracy.png").stat().st_size > 1000
-    assert "layer groups       2 x 1 pipeline(s), method cdni" in proc.stdout
+    assert "stages             2 x 1 pipeline(s), method cdni" in proc.stdout
 
 
 
@@ -116,7 +116,7 @@ def test_placement_puts_both_groups_in_one_worker_process(tmp_path: Path) -> Non
     assert proc.returncode == 0, proc.stdout + proc.stderr
     metrics = summary(out)["metrics"]
     workers = [c["address"] for c in json.loads((out / "cluster.json").read_text())["children"] if c["role"] == "worker"]
-    assert workers == [metrics["group0_address"].split("@")[1]] == [metrics["group1_address"].split("@")[1]]
+    assert workers == [metrics["stage0_address"].split("@")[1]] == [metrics["stage1_address"].split("@")[1]]
 
 
 def test_lr_decay_reaches_every_stage_of_a_job_from_the_data_cursor(tmp_path: Path) -> None:
@@ -133,7 +133,7 @@ def test_lr_decay_reaches_every_stage_of_a_job_from_the_data_cursor(tmp_path: Pa
     want = 1e-3 * LrDecay("linear", 0.25, 0.1).scale((3 + 43 * 32 / 1400) / 4)
     assert 1e-4 < want < 2e-4
     for k in (0, 1):
-        assert doc["metrics"][f"group{k}_lr_last"] == pytest.approx(want, rel=1e-9), doc["metrics"]
+        assert doc["metrics"][f"stage{k}_lr_last"] == pytest.approx(want, rel=1e-9), doc["metrics"]
 
 
 def test_dni_times_downpour_replicas_share_each_group_through_its_ps_shard(tmp_path: Path) -> None:
@@ -147,8 +147,8 @@ def test_dni_times_downpour_replicas_share_each_group_through_its_ps_shard(tmp_p
     assert sum(c["role"] == "ps" for c in children) == 2 and sum(c["role"] == "worker" for c in children) == 4
     # both pipelines trained on their half of the data and pushed to each group's shard
     for r in (0, 1):
-        assert metrics[f"pipeline{r}_group0_steps"] > 0 and metrics[f"pipeline{r}_group1_steps"] > 0
-    steps = sum(metrics[f"pipeline{r}_group0_steps"] for r in (0, 1))
+        assert metrics[f"pipeline{r}_stage0_steps"] > 0 and metrics[f"pipeline{r}_stage1_steps"] > 0
+    steps = sum(metrics[f"pipeline{r}_stage0_steps"] for r in (0, 1))
     assert metrics["ps0_applied"] == steps and metrics["ps1_applied"] > 0
     # every push is a dense float32 gradient of its group: Linear(64, 64) + bias, Linear(64, 10) + bias; the
     # shards saw every push but, at most, the last one of each of the 2 replicas of a group (still on its way)

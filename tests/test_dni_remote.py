@@ -1,6 +1,6 @@
 """DNI placed across nodes: every stage on its own ActorSystem, talking over loopback websockets.
 
-The driver holds only refs by address (``layer-group-k@host:port``); every
+The driver holds only refs by address (``stage-k@host:port``); every
 activation, gradient, eval batch and parameter copy crosses the wire codec.
 """
 
@@ -61,8 +61,8 @@ async def placed(
         driver_node, group_nodes = nodes[0], nodes[1:]
         # each node would build the model from the same factory and seed and keep its slice
         for k, (node, spec) in enumerate(zip(group_nodes, build_stages(model, GROUPS, settings, 64))):
-            await node.system.spawn(Stage, *spec.args(), name=f"layer-group-{k}", supervision=Directive.STOP)
-        refs = [driver_node.system.ref(f"layer-group-{k}@{node.address}") for k, node in enumerate(group_nodes)]
+            await node.system.spawn(Stage, *spec.args(), name=f"stage-{k}", supervision=Directive.STOP)
+        refs = [driver_node.system.ref(f"stage-{k}@{node.address}") for k, node in enumerate(group_nodes)]
         yield driver_node, group_nodes, refs
 
 

@@ -107,7 +107,7 @@ def test_page_refuses_foreign_host_names(page: tuple[str, Path]) -> None:
     assert err.value.code == 403
 
 
-def test_page_shows_a_dni_job_and_its_layer_groups(tmp_path: Path) -> None:
+def test_page_shows_a_dni_job_and_its_stages(tmp_path: Path) -> None:
     cluster = LocalCluster(tmp_path, "live-dni", job=DNI_JOB)
     try:
         address = cluster.page_address()
@@ -115,7 +115,7 @@ def test_page_shows_a_dni_job_and_its_layer_groups(tmp_path: Path) -> None:
         assert sorted(m["role"] for m in status["members"]) == ["coordinator", "worker", "worker"]
         assert status["job"]["mode"] == "pipeline" and status["job"]["state"] == "training"
         groups = status["replicas"]
-        assert len(groups) == 2 and all(name.startswith("layer-group-") for name in groups), groups
+        assert len(groups) == 2 and all(name.startswith("stage-") for name in groups), groups
         assert list(groups.values()) == ["alive", "alive"]
         assert status["history"][-1]["accuracy"] > 0.3
         assert status["series"][-1]["samples_per_s"] > 0
@@ -137,12 +137,12 @@ def test_page_shows_a_dni_job_and_its_layer_groups(tmp_path: Path) -> None:
         assert all("staleness_mean" not in p for p in status["series"])
         # the launcher's progress bar counts the job's members in its mode's own word
         bars = [line for line in cluster.output().splitlines() if "samples/s |" in line]
-        assert bars and all(re.search(r"\| layer groups \d/2 \|", line) for line in bars), bars
+        assert bars and all(re.search(r"\| stages \d/2 \|", line) for line in bars), bars
 
         if shutil.which("chromium"):
             done = chromium(tmp_path, "--dump-dom", f"http://{address}/")
             assert done.returncode == 0, done.stderr[-2000:]
-            assert '<h2 style="margin-top:12px" id="replicas-title">Layer groups</h2>' in done.stdout
+            assert '<h2 style="margin-top:12px" id="replicas-title">Stages</h2>' in done.stdout
             for name in groups:
                 assert name in done.stdout
             assert "stage 0: layers 0-1" in done.stdout and "stage 1: layers 2-4" in done.stdout

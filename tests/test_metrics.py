@@ -23,7 +23,7 @@ from dniasync.train.ps import PSShard
 from dniasync.train.specs import OptimizerSpec, ShardSpec
 
 ROOT = Path(__file__).resolve().parent.parent
-ALLOWED_LABELS = {"role", "msg_type", "direction", "group", "shard", "reason",
+ALLOWED_LABELS = {"role", "msg_type", "direction", "stage", "shard", "reason",
                   "version", "core_version", "python_version", "torch_version"}
 NAME = re.compile(r"^dniasync_[a-z]+_[a-z0-9_]+$")
 

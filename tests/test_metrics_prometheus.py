@@ -2,7 +2,7 @@
 
 A ``--role local`` Downpour job (coordinator, 2 PS shards, 2 replicas: the
 launcher's file-SD targets file), a ``--role local`` Sandblaster job (the same
-five roles; its L-BFGS panels) and a node hosting DNI layer groups (a third
+five roles; its L-BFGS panels) and a node hosting DNI stages (a third
 targets file) are scraped every second; once every node is ``up``,
 each panel query of both dashboards (template variables substituted) must
 succeed and return data. ``promtool`` checks each node's exposition.
@@ -44,7 +44,7 @@ DEADLINE_S = 60.0
 
 def substitute(expr: str) -> str:
     expr = expr.replace("$__rate_interval", RATE_INTERVAL)
-    return re.sub(r"\$\{?(job|instance|group)\}?", ".*", expr)
+    return re.sub(r"\$\{?(job|instance|stage)\}?", ".*", expr)
 
 
 def panel_queries() -> list[tuple[str, str, str]]:
@@ -139,11 +139,11 @@ def test_every_panel_query_returns_data(scraped: tuple[Prometheus, list[str]]) -
         if pending:
             time.sleep(1.0)
     assert not pending, "queries that returned no data:\n" + "\n".join(f"{b} / {t}: {e}" for b, t, e in sorted(pending))
-    # the template variables list every node, and the DNI groups by name
+    # the template variables list every node, and the DNI stages by name
     instances = next(r for (b, t, _), r in results.items() if t == "instance" and b == "dniasync-overview.json")
     assert {r["metric"]["instance"] for r in instances} == set(nodes)
-    groups = next(r for (_, t, _), r in results.items() if t == "group")
-    assert {r["metric"]["group"] for r in groups} == {"layer-group-0", "layer-group-1", "layer-group-2"}
+    stages = next(r for (_, t, _), r in results.items() if t == "stage")
+    assert {r["metric"]["stage"] for r in stages} == {"stage-0", "stage-1", "stage-2"}
     roles = next(r for (_, t, _), r in results.items() if t == "Members up by role")
     assert {r["metric"]["role"]: float(r["value"][1]) for r in roles} == {
         "coordinator": 2, "ps": 4, "worker": 4, "dni": 1}

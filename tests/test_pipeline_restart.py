@@ -24,7 +24,7 @@ def _worker_hosting(out: Path, group: int) -> dict[str, Any] | None:
         return None
     for child in json.loads((out / "cluster.json").read_text())["children"]:
         log = Path(child["log"])
-        if child["role"] == "worker" and log.exists() and f"hosting layer groups [{group}]" in log.read_text():
+        if child["role"] == "worker" and log.exists() and f"hosting stages [{group}]" in log.read_text():
             return child  # type: ignore[no-any-return]
     return None
 
@@ -65,7 +65,7 @@ def test_a_killed_stage_is_restarted_and_its_pipeline_finishes_from_its_checkpoi
     kinds = [e["kind"] for e in doc["events"]]
     assert "stage_lost" in kinds and "pipeline_restored" in kinds, kinds
     lost = next(e for e in doc["events"] if e["kind"] == "stage_lost")
-    assert lost["group"].startswith("layer-group-") and lost["pipeline"] == 0
+    assert lost["stage"].startswith("stage-") and lost["pipeline"] == 0
     restored = next(e for e in doc["events"] if e["kind"] == "pipeline_restored")
     assert restored["samples"] > 0  # it went back to a capture taken while training, not to the start
     assert restored["samples_lost"] >= 0

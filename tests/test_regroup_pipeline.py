@@ -158,7 +158,7 @@ async def test_a_receiver_lost_during_a_move_breaks_the_pipeline_and_the_giver_k
         async with PipelineDriver(system, refs, Schedule.for_rule("sync", micro_batches=1)) as driver:
             want = (await driver.states())[0]
             await system.stop(refs[1])
-            with pytest.raises(PipelineBroken, match="layer-group-1"):
+            with pytest.raises(PipelineBroken, match="stage-1"):
                 await driver.regroup(BEFORE, AFTER)
             got = await refs[0].ask(StateRequest(), timeout=30)
     assert isinstance(got, StageState)

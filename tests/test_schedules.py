@@ -232,7 +232,7 @@ def test_a_pipeline_job_trains_on_the_batches_its_schedule_grows(tmp_path: Path)
     grown = [(e["epoch"], e["position"], e["batch_size"]) for e in doc["events"] if e["kind"] == "batch_size"]
     assert grown == [(0, 0, 16), (1, 0, 32), (2, 0, 64), (3, 0, 128)]
     # every batch reached the last stage, which steps once per batch: 88 + 44 + 22 + 11 batches, not 4 x 88
-    assert doc["metrics"]["group1_steps"] == sum(-(-1400 // size) for size in (16, 32, 64, 128))
+    assert doc["metrics"]["stage1_steps"] == sum(-(-1400 // size) for size in (16, 32, 64, 128))
     assert doc["samples"] == 4 * 1400
 
 
@@ -243,7 +243,7 @@ def test_a_pipeline_grows_its_batch_when_the_norm_test_at_its_last_stage_fails(t
     sizes = [e["batch_size"] for e in doc["events"] if e["kind"] == "batch_size"]
     assert sizes[0] == 16 and len(sizes) >= 2, sizes  # the first batch's size, then at least one growth
     assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes) and sizes[-1] <= 256
-    assert doc["metrics"]["group1_steps"] < 4 * -(-1400 // 16)  # fewer, larger batches than 16 throughout
+    assert doc["metrics"]["stage1_steps"] < 4 * -(-1400 // 16)  # fewer, larger batches than 16 throughout
     assert doc["samples"] == 4 * 1400
 
 

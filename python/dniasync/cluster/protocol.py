@@ -94,7 +94,7 @@ class JobStatusReply:
     loss: float | None
     samples_per_s: float
     replicas: dict[str, str]
-    """worker (replica, layer group) -> ``alive`` / ``dead``."""
+    """worker (replica, stage) -> ``alive`` / ``dead``."""
     summary: str
     """Path of the summary JSON once finished."""
     extra: dict[str, Any] = field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""Metric families of the training actors (replicas, PS shards, layer groups) and their collectors.
+"""Metric families of the training actors (replicas, PS shards, pipeline stages) and their collectors.
 
 An actor registers itself once it starts (a no-op on a node without metrics);
 the collectors read the counters it keeps anyway, at scrape time. The state
@@ -18,19 +18,19 @@ from ..metrics import Families, Tracker, add_sample, cumulative_buckets, track
 
 __all__ = [
     "FAMILIES",
-    "LAYER_GROUPS",
     "PS_REJECT_REASONS",
     "PS_SHARDS",
     "REPLICAS",
     "SANDBLASTER",
-    "LayerGroupState",
+    "STAGES",
     "PSShardState",
     "ReplicaState",
     "SandblasterState",
-    "track_layer_group",
+    "StageCounters",
     "track_ps_shard",
     "track_replica",
     "track_sandblaster",
+    "track_stage",
 ]
 
 FAMILIES = Families()
@@ -64,41 +64,41 @@ PS_BYTES = FAMILIES.counter(
 PS_STALENESS = FAMILIES.histogram(
     "dniasync_ps_staleness_versions",
     "Staleness of pushes: shard version now minus the version the gradient was computed on.", "shard")
-# -- layer groups (DNI and pipeline stages) ----------------------------------------------
-DNI_STEPS = FAMILIES.counter("dniasync_dni_group_steps_total", "Optimizer steps of a layer group.", "group")
-DNI_STEP_TIME = FAMILIES.summary("dniasync_dni_group_step_seconds",
-                                 "Time a layer group spends on one forward message (forward, update, sends).", "group")
-DNI_SG_LOSS = FAMILIES.gauge("dniasync_dni_sg_loss",
-                             "Latest regression loss of a group's synthetic-gradient model.", "group")
-DNI_SG_STEPS = FAMILIES.counter("dniasync_dni_sg_steps_total",
-                                "Training steps of a group's synthetic-gradient model.", "group")
-DNI_QUEUE = FAMILIES.gauge("dniasync_dni_group_queue_messages", "Messages waiting in a layer group's mailbox.",
-                           "group")
-DNI_EVICTIONS = FAMILIES.counter("dniasync_dni_group_evictions_total",
-                                 "Batches a layer group evicted before their gradient came back.", "group")
-DNI_LATE = FAMILIES.counter("dniasync_dni_group_late_gradients_total",
-                            "Gradients that arrived after their batch was evicted.", "group")
-DNI_SG_STALENESS = FAMILIES.summary(
+# -- pipeline stages (DNI and real-gradient rules) -----------------------------------------
+STAGE_STEPS = FAMILIES.counter("dniasync_stage_steps_total", "Optimizer steps of a pipeline stage.", "stage")
+STAGE_STEP_TIME = FAMILIES.summary("dniasync_stage_step_seconds",
+                                 "Time a stage spends on one forward message (forward, update, sends).", "stage")
+STAGE_SG_LOSS = FAMILIES.gauge("dniasync_dni_sg_loss",
+                             "Latest regression loss of a stage's synthetic-gradient model.", "stage")
+STAGE_SG_STEPS = FAMILIES.counter("dniasync_dni_sg_steps_total",
+                                "Training steps of a stage's synthetic-gradient model.", "stage")
+STAGE_QUEUE = FAMILIES.gauge("dniasync_stage_queue_messages", "Messages waiting in a stage's mailbox.",
+                           "stage")
+STAGE_EVICTIONS = FAMILIES.counter("dniasync_stage_evictions_total",
+                                 "Batches a stage evicted before their gradient came back.", "stage")
+STAGE_LATE = FAMILIES.counter("dniasync_stage_late_gradients_total",
+                            "Gradients that arrived after their batch was evicted.", "stage")
+STAGE_SG_STALENESS = FAMILIES.summary(
     "dniasync_dni_sg_staleness_updates",
-    "Updates a layer group made between a batch's forward and the SG fit on its true gradient.", "group")
+    "Updates a stage made between a batch's forward and the SG fit on its true gradient.", "stage")
 
-DNI_COMPUTE = FAMILIES.summary(
-    "dniasync_dni_group_compute_seconds",
+STAGE_COMPUTE = FAMILIES.summary(
+    "dniasync_stage_compute_seconds",
     "Forward plus backward time a stage spends in its own layers per trained batch (measured per layer; what "
-    "regrouping balances).", "group")
-DNI_VERSION_GAP = FAMILIES.summary(
-    "dniasync_dni_group_version_gap_updates",
-    "Updates a stage made between a batch's forward and the return of its true gradient (its version gap).", "group")
-DNI_STASH_BYTES = FAMILIES.gauge("dniasync_dni_group_stash_bytes",
-                                 "Bytes of weight versions a stage holds for batches in flight (rule stash).", "group")
-DNI_ESTIMATE_ERROR = FAMILIES.gauge(
-    "dniasync_dni_group_estimate_error_ratio",
+    "regrouping balances).", "stage")
+STAGE_VERSION_GAP = FAMILIES.summary(
+    "dniasync_stage_version_gap_updates",
+    "Updates a stage made between a batch's forward and the return of its true gradient (its version gap).", "stage")
+STAGE_STASH_BYTES = FAMILIES.gauge("dniasync_stage_stash_bytes",
+                                 "Bytes of weight versions a stage holds for batches in flight (rule stash).", "stage")
+STAGE_ESTIMATE_ERROR = FAMILIES.gauge(
+    "dniasync_stage_estimate_error_ratio",
     "Relative error of what a stage steps on instead of the truth: |M - g| / |g| of its SG model (dni, cdni), "
-    "|W_predicted - W| / |W_forward - W| of its weight prediction (spectrain).", "group")
-DNI_LAYERS = FAMILIES.gauge("dniasync_dni_group_layers", "Layers a stage holds now (regrouping moves them).", "group")
-DNI_LAYER_MOVES = FAMILIES.counter("dniasync_dni_group_layer_moves_total",
+    "|W_predicted - W| / |W_forward - W| of its weight prediction (spectrain).", "stage")
+STAGE_LAYERS = FAMILIES.gauge("dniasync_stage_layers", "Layers a stage holds now (regrouping moves them).", "stage")
+STAGE_LAYER_MOVES = FAMILIES.counter("dniasync_stage_layer_moves_total",
                                    "Layers a stage gave to a neighbour or took from one (direction: out, in).",
-                                   "group", "direction")
+                                   "stage", "direction")
 # -- Sandblaster L-BFGS (the coordinator's driver) ---------------------------------------
 SB_ITERATIONS = FAMILIES.counter("dniasync_sandblaster_iterations_total", "L-BFGS iterations Sandblaster completed.")
 SB_LOSS = FAMILIES.gauge("dniasync_sandblaster_train_loss",
@@ -168,7 +168,7 @@ class PSShardState(Protocol):
     def version(self) -> int: ...
 
 
-class LayerGroupState(Protocol):
+class StageCounters(Protocol):
     @property
     def ref(self) -> ActorRef: ...
     @property
@@ -262,39 +262,39 @@ def _collect_ps_shards(system: ActorSystem,
     yield from families.values()
 
 
-def _collect_layer_groups(system: ActorSystem, groups: Sequence[LayerGroupState]) -> Iterator[Metric]:
-    families = {d: d.family() for d in (DNI_STEPS, DNI_STEP_TIME, DNI_SG_LOSS, DNI_SG_STEPS, DNI_QUEUE,
-                                         DNI_EVICTIONS, DNI_LATE, DNI_SG_STALENESS, DNI_COMPUTE, DNI_LAYERS,
-                                         DNI_LAYER_MOVES, DNI_VERSION_GAP, DNI_STASH_BYTES, DNI_ESTIMATE_ERROR)}
-    step_time = families[DNI_STEP_TIME]
-    staleness = families[DNI_SG_STALENESS]
-    compute = families[DNI_COMPUTE]
-    version_gap = families[DNI_VERSION_GAP]
+def _collect_stages(system: ActorSystem, stages: Sequence[StageCounters]) -> Iterator[Metric]:
+    families = {d: d.family() for d in (STAGE_STEPS, STAGE_STEP_TIME, STAGE_SG_LOSS, STAGE_SG_STEPS, STAGE_QUEUE,
+                                         STAGE_EVICTIONS, STAGE_LATE, STAGE_SG_STALENESS, STAGE_COMPUTE, STAGE_LAYERS,
+                                         STAGE_LAYER_MOVES, STAGE_VERSION_GAP, STAGE_STASH_BYTES, STAGE_ESTIMATE_ERROR)}
+    step_time = families[STAGE_STEP_TIME]
+    staleness = families[STAGE_SG_STALENESS]
+    compute = families[STAGE_COMPUTE]
+    version_gap = families[STAGE_VERSION_GAP]
     assert isinstance(step_time, SummaryMetricFamily) and isinstance(staleness, SummaryMetricFamily)
     assert isinstance(compute, SummaryMetricFamily) and isinstance(version_gap, SummaryMetricFamily)
-    for group in groups:
-        label = [group.ref.name]
-        add_sample(families[DNI_STEPS], label, group.steps)
-        step_time.add_metric(label, group.forwards, group.forward_seconds)
-        compute.add_metric(label, group.compute_batches, group.compute_seconds)
-        add_sample(families[DNI_LAYERS], label, group.n_layers)
-        add_sample(families[DNI_LAYER_MOVES], [*label, "out"], group.layers_out)
-        add_sample(families[DNI_LAYER_MOVES], [*label, "in"], group.layers_in)
-        add_sample(families[DNI_QUEUE], label, system.mailbox_depth(group.ref))
-        add_sample(families[DNI_EVICTIONS], label, group.evictions)
-        add_sample(families[DNI_LATE], label, group.late_gradients)
-        sg = group.sg
+    for stage in stages:
+        label = [stage.ref.name]
+        add_sample(families[STAGE_STEPS], label, stage.steps)
+        step_time.add_metric(label, stage.forwards, stage.forward_seconds)
+        compute.add_metric(label, stage.compute_batches, stage.compute_seconds)
+        add_sample(families[STAGE_LAYERS], label, stage.n_layers)
+        add_sample(families[STAGE_LAYER_MOVES], [*label, "out"], stage.layers_out)
+        add_sample(families[STAGE_LAYER_MOVES], [*label, "in"], stage.layers_in)
+        add_sample(families[STAGE_QUEUE], label, system.mailbox_depth(stage.ref))
+        add_sample(families[STAGE_EVICTIONS], label, stage.evictions)
+        add_sample(families[STAGE_LATE], label, stage.late_gradients)
+        sg = stage.sg
         # every returning true gradient adds to staleness_sum: SG fits (DNI) or steps (real-gradient rules)
-        version_gap.add_metric(label, sg.steps if sg is not None else group.steps, group.staleness_sum)
-        add_sample(families[DNI_STASH_BYTES], label, group.rule.stash_bytes()[0])
-        ratio = group.rule.diagnostics().get("estimate_error_ratio", math.nan)
+        version_gap.add_metric(label, sg.steps if sg is not None else stage.steps, stage.staleness_sum)
+        add_sample(families[STAGE_STASH_BYTES], label, stage.rule.stash_bytes()[0])
+        ratio = stage.rule.diagnostics().get("estimate_error_ratio", math.nan)
         if math.isfinite(ratio):
-            add_sample(families[DNI_ESTIMATE_ERROR], label, ratio)
+            add_sample(families[STAGE_ESTIMATE_ERROR], label, ratio)
         if sg is not None:
-            add_sample(families[DNI_SG_STEPS], label, sg.steps)
-            staleness.add_metric(label, sg.steps, group.staleness_sum)
+            add_sample(families[STAGE_SG_STEPS], label, sg.steps)
+            staleness.add_metric(label, sg.steps, stage.staleness_sum)
             try:
-                add_sample(families[DNI_SG_LOSS], label, float(sg.losses[-1]))
+                add_sample(families[STAGE_SG_LOSS], label, float(sg.losses[-1]))
             except IndexError:  # not trained yet
                 pass
     yield from families.values()
@@ -302,7 +302,7 @@ def _collect_layer_groups(system: ActorSystem, groups: Sequence[LayerGroupState]
 
 REPLICAS: Final[Tracker[ReplicaState]] = Tracker("replicas", _collect_replicas)
 PS_SHARDS: Final[Tracker[tuple[PSShardState, tuple[int, ...]]]] = Tracker("ps_shards", _collect_ps_shards)
-LAYER_GROUPS: Final[Tracker[LayerGroupState]] = Tracker("layer_groups", _collect_layer_groups)
+STAGES: Final[Tracker[StageCounters]] = Tracker("stages", _collect_stages)
 SANDBLASTER: Final[Tracker[SandblasterState]] = Tracker("sandblaster", _collect_sandblaster)
 
 
@@ -316,9 +316,9 @@ def track_ps_shard(system: ActorSystem, shard: PSShardState, buckets: Sequence[i
     track(system, PS_SHARDS, shard.ref, (shard, tuple(buckets)))
 
 
-def track_layer_group(system: ActorSystem, group: LayerGroupState) -> None:
-    """Export a layer group's (or pipeline stage's) counters from the node ``system`` runs on."""
-    track(system, LAYER_GROUPS, group.ref, group)
+def track_stage(system: ActorSystem, stage: StageCounters) -> None:
+    """Export a pipeline stage's counters from the node ``system`` runs on."""
+    track(system, STAGES, stage.ref, stage)
 
 
 def track_sandblaster(system: ActorSystem, driver: SandblasterState) -> None:

@@ -242,7 +242,7 @@ class PipelineDurability:
         lost = self.lineage(r) - capture.samples
         log.warning("pipeline %d broken at %s (%s): rolling it back to its capture at %d samples", r, broken.address,
                     broken.reason, capture.samples)
-        job.runner.event(EVENT_STAGE_LOST, pipeline=r, group=broken.address, reason=broken.reason)
+        job.runner.event(EVENT_STAGE_LOST, pipeline=r, stage=broken.address, reason=broken.reason)
         self.recovering.add(r)
         old = job.drivers[r]
         monitor = old._monitor
@@ -274,7 +274,7 @@ class PipelineDurability:
         self.base[r] = capture.samples
         self.restarts += 1
         self.samples_lost += max(0, lost)
-        job.runner.event(EVENT_PIPELINE_RESTORED, pipeline=r, group=broken.address, samples=capture.samples,
+        job.runner.event(EVENT_PIPELINE_RESTORED, pipeline=r, stage=broken.address, samples=capture.samples,
                          samples_lost=max(0, lost), seconds=round(loop.time() - started, 2),
                          stages=",".join(ref.address for ref in driver.stages))
         log.info("pipeline %d restored to %d samples (%d lost) in %.1f s", r, capture.samples, lost,

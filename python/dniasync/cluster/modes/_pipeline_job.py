@@ -47,12 +47,12 @@ if TYPE_CHECKING:
     from ..mode_api import Runner
     from .pipeline import PipelineConfig
 
-__all__ = ["EVENT_GROUP_FAILED", "PipelineJob", "group_name", "host_stages"]
+__all__ = ["EVENT_STAGE_FAILED", "PipelineJob", "host_stages", "stage_name"]
 
 log = logging.getLogger("dniasync.cluster.modes")
 
-EVENT_GROUP_FAILED: Final = "group_failed"
-EVENT_GROUPS_PLACED: Final = "groups_placed"
+EVENT_STAGE_FAILED: Final = "stage_failed"
+EVENT_STAGES_PLACED: Final = "stages_placed"
 EVENT_RESUME_REFUSED: Final = "resume_refused"
 EVENT_REGROUPED: Final = "regrouped"
 EVENT_SPLIT_PROFILED: Final = "split_profiled"
@@ -73,9 +73,9 @@ def merge_stage_states(groups: Sequence[Sequence[int]], states: Sequence[dict[st
     return out
 
 
-def group_name(pipeline: int, group: int, replicas: int) -> str:
-    """The actor name of a stage: ``layer-group-k`` (``layer-group-r-k`` with replicas)."""
-    return f"layer-group-{group}" if replicas == 1 else f"layer-group-{pipeline}-{group}"
+def stage_name(pipeline: int, group: int, replicas: int) -> str:
+    """The actor name of a stage: ``stage-k`` (``stage-r-k`` with replicas)."""
+    return f"stage-{group}" if replicas == 1 else f"stage-{pipeline}-{group}"
 
 
 class PipelineJob:
@@ -247,13 +247,13 @@ class PipelineJob:
             try:
                 await driver.start()
             except PipelineBroken as exc:
-                raise JobFailed(f"layer group {exc.address} is down ({exc.reason})", EVENT_GROUP_FAILED,
-                                group=exc.address) from None
+                raise JobFailed(f"stage {exc.address} is down ({exc.reason})", EVENT_STAGE_FAILED,
+                                stage=exc.address) from None
             if self.durability.restore_on_start:  # --resume: the stages take the checkpoint's states
                 await self.durability.load_into(r, driver)
                 log.info("pipeline %d: every stage loaded its state from the checkpoint", r)
         self.runner.mark_started()
-        self.runner.event(EVENT_GROUPS_PLACED, groups=addresses, split=split_text(self.groups))
+        self.runner.event(EVENT_STAGES_PLACED, stages=addresses, split=split_text(self.groups))
         log.info("training %d pipeline(s) over %s", len(pipelines), addresses)
         self.tasks = [asyncio.create_task(self._train(r, d), name=f"pipeline-{r}") for r, d in enumerate(self.drivers)]
         if self.regrouper is not None:
@@ -398,8 +398,8 @@ class PipelineJob:
         shards = [ps for ps in self.runner.ps]
         snaps = await asyncio.gather(*(ps.ask(SnapshotShard(), timeout=60.0) for ps in shards if ps is not None))
         if len(snaps) != len(old):
-            raise JobFailed(f"regrouping needs every PS shard up; {len(old) - len(snaps)} are down", EVENT_GROUP_FAILED,
-                            group="")
+            raise JobFailed(f"regrouping needs every PS shard up; {len(old) - len(snaps)} are down", EVENT_STAGE_FAILED,
+                            stage="")
         values: dict[int, np.ndarray] = {}
         state: dict[int, list[np.ndarray]] = {}
         for group, snap in zip(old, snaps, strict=True):
@@ -490,9 +490,9 @@ class PipelineJob:
             if task.done() and not task.cancelled() and task.exception() is not None:
                 exc = task.exception()
                 if isinstance(exc, PipelineBroken):
-                    return JobFailed(f"layer group {exc.address} is down ({exc.reason})", EVENT_GROUP_FAILED,
-                                     group=exc.address)
-                return JobFailed(f"a pipeline failed: {exc!r}", EVENT_GROUP_FAILED, group="")
+                    return JobFailed(f"stage {exc.address} is down ({exc.reason})", EVENT_STAGE_FAILED,
+                                     stage=exc.address)
+                return JobFailed(f"a pipeline failed: {exc!r}", EVENT_STAGE_FAILED, stage="")
         return None
 
     def check(self, now: float) -> None:
@@ -525,7 +525,7 @@ class PipelineJob:
         return {**{address: "dead" for address in self.gone}, **placed}
 
     def extra(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {"groups": len(self.p.groups), "pipelines": self.p.replicas, "method": self.p.method,
+        extra: dict[str, Any] = {"stages": len(self.p.groups), "pipelines": self.p.replicas, "method": self.p.method,
                                  "split": split_text(self.groups)}
         if self.regrouper is not None:
             extra["regroup_moves"] = self._moves
@@ -628,7 +628,7 @@ class PipelineJob:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def _key(self, r: int, k: int) -> str:
-        return f"group{k}" if self.p.replicas == 1 else f"pipeline{r}_group{k}"
+        return f"stage{k}" if self.p.replicas == 1 else f"pipeline{r}_stage{k}"
 
     def _note_stats(self, r: int, stats: list[StageStats]) -> None:
         """Each stage's mean SG loss since the previous stats request (first and latest kept) and PS bytes."""
@@ -645,7 +645,7 @@ class PipelineJob:
 
     async def record(self, report: RunReport) -> None:
         p = self.p
-        report.set_metric("groups", len(p.groups))
+        report.set_metric("stages", len(p.groups))
         report.set_metric("pipelines", p.replicas)
         report.set_metric("method", p.method)
         report.set_metric("synthetic_inputs", p.synthetic_inputs)
@@ -702,7 +702,7 @@ async def host_stages(host: Host, spec: StagesSpec) -> list[ActorRef]:
     stages = await host.run_blocking(_build, spec, settings)
     refs = []
     for i, k in enumerate(spec.hosted):
-        name = group_name(spec.pipeline, k, spec.replicas)
+        name = stage_name(spec.pipeline, k, spec.replicas)
         params = None
         if spec.replicas > 1:  # the stage's replicas share its weights through its PS shard
             link = PSLinkSpec([spec.ps[i]], [0], spec.n_fetch, spec.n_push)
@@ -711,7 +711,7 @@ async def host_stages(host: Host, spec: StagesSpec) -> list[ActorRef]:
                 f"{name}@{host.system.node}", time.time_ns() // 1000, optimizer, ask_timeout_s=30.0))
         refs.append(await host.spawn(pipeline_module.Stage, *stages[k].args(), **stages[k].kwargs(), params=params,
                                      name=name, mailbox_size=spec.mailbox_size, supervision=Directive.STOP))
-    log.info("hosting layer groups %s of pipeline %d", spec.hosted, spec.pipeline)
+    log.info("hosting stages %s of pipeline %d", spec.hosted, spec.pipeline)
     return refs
 
 

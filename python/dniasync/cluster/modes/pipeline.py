@@ -1,4 +1,4 @@
-"""Model parallelism: a model cut into stages (layer groups) that train as a pipeline.
+"""Model parallelism: a model cut into stages that train as a pipeline.
 
 The model factory must return an ``nn.Sequential``; ``groups`` cuts it into
 stages, each hosted by a :class:`~dniasync.train.pipeline.Stage` actor in a
@@ -127,8 +127,8 @@ class _Pipeline:
     name = "pipeline"
     settings = PipelineConfig
     shards_key = "pipeline.replicas"
-    worker_kind = "layer-group worker"
-    member_kind = "layer group"
+    worker_kind = "stage worker"
+    member_kind = "stage"
     schedules = True
     regroups = True
 
@@ -206,7 +206,7 @@ class _Pipeline:
     def summary_lines(self, config: Config, doc: Mapping[str, Any]) -> list[str]:
         p: PipelineConfig = config.settings
         metrics = doc.get("metrics", {})
-        lines = [f"  layer groups       {len(p.groups)} x {p.replicas} pipeline(s), method {p.method}"
+        lines = [f"  stages             {len(p.groups)} x {p.replicas} pipeline(s), method {p.method}"
                  f"{' + synthetic inputs' if p.synthetic_inputs else ''},"
                  f" {metrics.get('train_samples_per_s', 0):,.0f} training samples/s"]
         for key in sorted(k for k in metrics if k.endswith("_sg_loss_last")):

@@ -36,7 +36,7 @@ async def spawn_stages(
     *,
     seed: int = 0,
     mailbox_size: int = 64,
-    prefix: str = "layer-group",
+    prefix: str = "stage",
 ) -> list[ActorRef]:
     """Cut ``model`` and spawn one :class:`Stage` per group of layers, named ``{prefix}-{k}``.
 

@@ -22,7 +22,7 @@ __all__ = ["GroupConfigError", "StageSpec", "build_stages", "probe_shapes", "spl
 
 
 class GroupConfigError(ValueError):
-    """A cut of a model into layer groups is invalid; the message names the problem."""
+    """A cut of a model into stages is invalid; the message names the problem."""
 
 
 def validate_groups(groups: Sequence[Sequence[int]], n_layers: int) -> list[list[int]]:
@@ -36,7 +36,7 @@ def validate_groups(groups: Sequence[Sequence[int]], n_layers: int) -> list[list
     if n_layers <= 0:
         raise GroupConfigError(f"the model has no layers to group (n_layers={n_layers})")
     if len(groups) == 0:
-        raise GroupConfigError("no layer groups given")
+        raise GroupConfigError("no stages given")
     owner: dict[int, int] = {}
     result: list[list[int]] = []
     for gi, group in enumerate(groups):

@@ -1,8 +1,9 @@
 """The wire messages of a pipeline: stages, their driver and its monitor.
 
 Plain fields, refs and tensors only: the remote codec sends tensors as raw
-bytes with dtype and shape, never pickled. The tags are those the layer-group
-messages always had (the tag, not the class name, is the wire contract).
+bytes with dtype and shape, never pickled. The tags are those the messages had
+when stages were called layer groups (``dniasync.dni.*``): the tag, not the
+class name, is the wire contract, and checkpoints hold them.
 """
 
 from __future__ import annotations

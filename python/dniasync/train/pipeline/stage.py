@@ -185,7 +185,7 @@ class Stage(Actor):
         return True
 
     async def on_start(self) -> None:
-        telemetry.track_layer_group(self.system, self)
+        telemetry.track_stage(self.system, self)
 
     async def on_failure(self, exc: BaseException) -> None:
         self._report_down(self.ref.address, f"failed: {exc!r}")
