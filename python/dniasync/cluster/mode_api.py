@@ -186,6 +186,14 @@ class Mode(Protocol):
 
     def data_shards(self, settings: Any) -> int: ...
 
+    def restarts_workers(self, config: Config) -> bool:
+        """Whether the local launcher starts a dead worker process again (what it hosted comes back: a new
+        replica, or stages rolled back to their last capture)."""
+
+    def worker_state(self, members: Mapping[str, str], address: str) -> str | None:
+        """``alive`` / ``dead`` for what the worker process at ``address`` hosts, from the job's member states
+        (None: it hosts nothing yet)."""
+
     def syncs(self, settings: Any) -> tuple[str, ...]:
         """The weight syncs (``sync.kind``) the mode runs with these settings; the first is the default."""
 

@@ -36,7 +36,6 @@ from ..actors import ActorError, ActorSystem
 from ..chaos import PROXY_ENV, ChaosControl
 from ..cluster.config import Config, ConfigError, load_config
 from ..cluster.modes import get_mode
-from ..cluster.modes._data_parallel import WORKER_HOST, replica_name
 from ..remote import WebSocketTransport
 from ..cluster.protocol import COORDINATOR_NAME, JobStatus, JobStatusReply
 
@@ -227,10 +226,8 @@ class _Supervisor:
         self.out = out
         self.pumps = pumps
         self.restarts = _Restarts()
-        self.restart_workers = get_mode(config.mode).member_kind == "replica" or (
-            config.mode == "pipeline" and config.checkpoint.every_seconds is not None)
-        """Data-parallel workers come back as new replicas; a pipeline's stages when they have checkpoints to
-        come back from (their pipeline rolls back to its last capture, see cluster.modes._pipeline_durable)."""
+        self.mode = get_mode(config.mode)
+        self.restart_workers = self.mode.restarts_workers(config)
         self._restarted: dict[str, int] = {}
         """slot -> restarts so far (each restart logs to a file of its own)."""
         self._seen_alive: set[int] = set()
@@ -284,15 +281,11 @@ class _Supervisor:
         for child in self.cluster.children:
             if child.role != "worker" or not child.address or child.proc.returncode is not None:
                 continue
-            if self.config.mode == "pipeline":  # its stages: dead if the job gave any of them away
-                states = {s for name, s in status.replicas.items() if name.endswith(f"@{child.address}")}
-                state = "dead" if "dead" in states else ("alive" if states else None)
-            else:
-                state = status.replicas.get(replica_name(f"{WORKER_HOST}@{child.address}"))
+            state = self.mode.worker_state(status.replicas, child.address)
             if state == "alive":
                 self._seen_alive.add(child.proc.pid)
             elif state == "dead" and child.proc.pid in self._seen_alive and self.restart_workers:
-                print(f"\n{'stages' if self.config.mode == 'pipeline' else 'replica'} of worker {child.slot} "
+                print(f"\n{self.mode.member_kind}(s) of worker {child.slot} "
                       f"({child.address}) declared dead while its process runs; "
                       f"restarting it (see {child.log})", file=self.out, flush=True)
                 child.proc.kill()

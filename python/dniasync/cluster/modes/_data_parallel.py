@@ -11,6 +11,7 @@ replaces its former replica the same way.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 import logging
 import time
 from dataclasses import dataclass, field
@@ -35,7 +36,9 @@ if TYPE_CHECKING:
     from ..hosts import Host
     from ..mode_api import Runner
 
-__all__ = ["FIRST_PROGRESS_GRACE_S", "WORKER_HOST", "DataParallelJob", "host_replica", "replica_name"]
+__all__ = [
+    "FIRST_PROGRESS_GRACE_S", "WORKER_HOST", "DataParallelJob", "DataParallelMode", "host_replica", "replica_name",
+]
 
 log = logging.getLogger("dniasync.cluster.modes")
 
@@ -54,6 +57,19 @@ def replica_name(member: str) -> str:
     host, _, node = member.partition("@")
     slug = node.replace(":", "-")
     return f"replica-{slug}" if host == WORKER_HOST else f"replica-{slug}-{host}"
+
+
+class DataParallelMode:
+    """What the data-parallel modes answer alike: one replica per worker process, started again as a new one."""
+
+    member_kind = "replica"
+    regroups = False
+
+    def restarts_workers(self, config: Config) -> bool:
+        return True
+
+    def worker_state(self, members: Mapping[str, str], address: str) -> str | None:
+        return members.get(replica_name(f"{WORKER_HOST}@{address}"))
 
 
 @dataclass

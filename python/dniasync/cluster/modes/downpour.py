@@ -23,7 +23,7 @@ from .._schema import ConfigError, KeyProblem, Section
 from ..mode_api import Hoster, Snapshot
 from ..panels import PS_PANELS, Panel
 from ..plan import codec_spec
-from ._data_parallel import DataParallelJob, host_replica
+from ._data_parallel import DataParallelJob, DataParallelMode, host_replica
 
 if TYPE_CHECKING:
     from torch import nn
@@ -135,14 +135,12 @@ class _DownpourJob(DataParallelJob):
         await record_ps_stats(report, self.runner.ps)
 
 
-class _Downpour:
+class _Downpour(DataParallelMode):
     name = "downpour"
     settings = DownpourConfig
     shards_key = "downpour.n_replicas"
     worker_kind = "replica"
-    member_kind = "replica"
     schedules = True
-    regroups = False
 
     def data_shards(self, settings: DownpourConfig) -> int:
         return settings.n_replicas

@@ -17,7 +17,7 @@ from ...train.specs import ReplicaSpec, SharedStoreSpec
 from .._schema import Section
 from ..mode_api import Hoster, Snapshot
 from ..panels import Panel
-from ._data_parallel import DataParallelJob, host_replica
+from ._data_parallel import DataParallelJob, DataParallelMode, host_replica
 
 if TYPE_CHECKING:
     from torch import nn
@@ -75,14 +75,12 @@ class _HogwildJob(DataParallelJob):
         self.store.close()
 
 
-class _Hogwild:
+class _Hogwild(DataParallelMode):
     name = "hogwild"
     settings = HogwildConfig
     shards_key = "hogwild.n_workers"
     worker_kind = "worker"
-    member_kind = "replica"
     schedules = True
-    regroups = False
 
     def data_shards(self, settings: HogwildConfig) -> int:
         return settings.n_workers

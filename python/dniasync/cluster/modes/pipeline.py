@@ -135,6 +135,13 @@ class _Pipeline:
     def data_shards(self, settings: PipelineConfig) -> int:
         return settings.replicas
 
+    def restarts_workers(self, config: Config) -> bool:
+        return config.checkpoint.every_seconds is not None  # stages come back from their pipeline's last capture
+
+    def worker_state(self, members: Mapping[str, str], address: str) -> str | None:
+        states = {state for name, state in members.items() if name.endswith(f"@{address}")}
+        return "dead" if "dead" in states else ("alive" if states else None)  # dead if the job gave any away
+
     def syncs(self, settings: PipelineConfig) -> tuple[str, ...]:
         return ("local",) if settings.replicas == 1 else ("ps", "p2p")  # one pipeline has no one to share with
 

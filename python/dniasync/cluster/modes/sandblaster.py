@@ -30,7 +30,7 @@ from ..mode_api import Hoster, JobFailed, Snapshot
 from ..panels import Panel
 from ..plan import data_spec, model_spec, schedule_spec
 from ..protocol import Assignment, JoinJob, NoJob, Ready
-from ._data_parallel import replica_name
+from ._data_parallel import DataParallelMode, replica_name
 
 if TYPE_CHECKING:
     from torch import nn
@@ -277,14 +277,12 @@ class _SandblasterJob:
                 pass
 
 
-class _Sandblaster:
+class _Sandblaster(DataParallelMode):
     name = "sandblaster"
     settings = SandblasterConfig
     shards_key = "sandblaster.n_replicas"
     worker_kind = "replica"
-    member_kind = "replica"
     schedules = True
-    regroups = False
 
     def data_shards(self, settings: SandblasterConfig) -> int:
         return 1  # every replica reads the whole training set; the work queue splits it
