@@ -11,8 +11,10 @@ of this peer. The peer applies exactly that update to its own ``w`` and sends it
 to the others; every update it receives is applied once (a ledger per origin
 drops duplicates), so all copies hold the same sum of updates, only in
 flight apart. With H > 1 the updates are pseudo-gradients: received ones wait,
-and at each outer step the outer optimizer (Nesterov) applies the mean of the
-peer's own and those received since its last one.
+and at each outer step the outer optimizer (Nesterov) applies the peer's own
+and those received since its last one, summed over N (the live peers): one
+DiLoCo round when each peer sent one, and the same total on every peer however
+the asynchrony groups them (the momentum's timing aside).
 
 Who sends to whom: with ``fanout = 0`` the origin sends to every peer. With
 ``fanout = k`` each update travels down a k-ary tree over the ring of peers
@@ -549,13 +551,14 @@ class P2PSync:
         self.counters.applied += 1
 
     def _outer_step(self, own: NDArray[np.float32]) -> None:
-        """Local steps: the outer optimizer applies the mean of this peer's and the waiting received updates."""
+        """Local steps: the outer optimizer applies this peer's and the waiting received updates, each over N peers."""
         if self._outer is None:
             self._outer = OuterOptimizer(self.n, lr=self.spec.outer_lr, momentum=self.spec.outer_momentum)
         total = own.copy()
         for _, _, update in self._pending:
             total += update
-        mean = (total / np.float32(1 + len(self._pending))).astype(np.float32)
+        # each pseudo-gradient weighs 1/N wherever it lands: every peer applies the same total whatever it groups
+        mean = (total / np.float32(max(len(self.members), 1 + len(self._pending)))).astype(np.float32)
         self._pending.clear()
         self._outer.step(self.w, -mean, out=self.w)  # the pseudo-gradient is minus the change
 
