@@ -272,6 +272,24 @@ def test_sync_keys_are_checked_and_round_trip() -> None:
         assert err.value.key == dotted
 
 
+def test_local_steps_refuse_what_contradicts_them_naming_the_key() -> None:
+    local = with_(base(), "sync.local_steps", 4)
+    assert parse_config(with_(local, "downpour.n_fetch", 1)).sync.local_steps == 4  # 1 is the exchange itself
+    for raw, key, message in [
+        (with_(local, "downpour.n_push", 2), "downpour.n_push",
+         "'downpour.n_push' is 2; with sync.local_steps = 4 a replica pushes its pseudo-gradient and pulls every "
+         "local_steps steps"),
+        (with_(local, "downpour.n_fetch", 3), "downpour.n_fetch", "'downpour.n_fetch' is 3"),
+        (with_(base("hogwild"), "sync.local_steps", 4), "sync.local_steps",
+         "'sync.local_steps' applies only in job.mode 'downpour' or 'p2p' \\(it is 'hogwild'\\)"),
+        (with_(base(), "sync.outer_lr", 0.5), "sync.outer_lr",
+         "'sync.outer_lr' applies only with sync.local_steps above 1"),
+    ]:
+        with pytest.raises(ConfigError, match=message) as err:
+            parse_config(raw)
+        assert err.value.key == key
+
+
 class _Unscheduled:
     """A mode as registered, except that it does not honour [schedule]."""
 

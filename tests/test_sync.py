@@ -20,7 +20,7 @@ from dniasync.actors import ActorRef, ActorUnreachable, Backoff
 from dniasync.train.flat import flatten_parameters
 from dniasync.train.messages import Params, Pull, Push
 from dniasync.train.ps import PSShard
-from dniasync.train.specs import LocalSpec, OptimizerSpec, P2PSpec, PSLinkSpec, SharedStoreSpec, ShardSpec
+from dniasync.train.specs import CodecSpec, LocalSpec, OptimizerSpec, P2PSpec, PSLinkSpec, SharedStoreSpec, ShardSpec
 from dniasync.train.sync import (
     HOGWILD_SEGMENT,
     SYNCS,
@@ -335,6 +335,66 @@ async def test_ps_sync_accumulates_steps_and_pushes_every_n_push() -> None:
     assert (stats.bytes_pushed, stats.bytes_pulled) == (32, 64)  # one push; the first pull and one after step 2
 
 
+@pytest.mark.parametrize(("outer_lr", "codec"), [(1.0, "none"), (0.5, "none"), (0.5, "threshold")])
+async def test_ps_sync_with_local_steps_pushes_the_pseudo_gradient_every_h_steps_and_pulls_the_outer_step(
+        outer_lr: float, codec: str) -> None:
+    """H = 3 inner SGD steps on the replica, as torch's SGD alone takes them; then one push of ``anchor - now``
+    to real PS shards running the outer step (Nesterov, momentum 0 here: ``anchor - lr * pseudo``), and the
+    replica's weights become what it pulls. ``lr = 1`` hands the shards the replica's weights; with the
+    threshold codec what the shards got plus the residual kept is the pseudo-gradient, and the quantized pull
+    (a delta from the anchor) brings the replica within the delta threshold of the shards."""
+    h, inner = 3, OptimizerSpec("sgd", 0.1)
+    model, reference = _model(), _model()
+    anchor = flatten_parameters(model)
+    outer = OptimizerSpec("nesterov", outer_lr, momentum=0.0)
+    half = anchor.size // 2
+    async with ActorSystem() as system:
+        shards = [await system.spawn(PSShard, ShardSpec(i, offset, anchor[offset:end].copy(), outer,
+                                                        CodecSpec(codec, tau=0.01, delta_tau=1e-4)), name=f"ps-{i}")
+                  for i, (offset, end) in enumerate([(0, half), (half, anchor.size)])]
+        spec = PSLinkSpec(shards, [0, half], codec=CodecSpec(codec, tau=0.01, delta_tau=1e-4), local_steps=h,
+                          inner=inner)
+        sync = build_sync(spec, model, SyncContext("trainer-0", 1, OPTIMIZER))
+        assert isinstance(sync, PSSync) and sync.optimizer is not None and sync.lr_now() == pytest.approx(0.1)
+        await sync.ready()
+        assert sync.steps_per_call(0) == h
+        x, y = torch.linspace(-1, 1, 32).reshape(8, 4), torch.arange(8) % 2
+        alone = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for step in range(h):  # one step per call, as a trainer whose steps end early would
+            assert sync.stats().pushes == 0 and sync.steps_per_call(step) == h - step
+            alone.zero_grad()
+            for m in (model, reference):  # a replica never clears .grad itself: the sync's step does
+                nn.functional.cross_entropy(m(x), y).backward()  # type: ignore[no-untyped-call]
+            sync.step()
+            alone.step()
+            assert all(p.grad is None for p in model.parameters())
+            await sync.sync(8)
+        stats = sync.stats()
+        assert (stats.pushes, stats.pulls) == (1, 4)  # the first pull and one after the push, of each shard
+        pulled = np.concatenate([(await ps.ask(Pull())).values for ps in shards])
+        await sync.close()
+    local = flatten_parameters(reference)
+    sent = (anchor - pulled) / np.float32(outer_lr)
+    if codec == "none":
+        np.testing.assert_allclose(sent, anchor - local, rtol=1e-4, atol=1e-6)
+        np.testing.assert_array_equal(_weights(model).numpy(), pulled)  # the new anchor
+    else:
+        residual = np.concatenate([c.residual() for c in sync.link.codecs])  # type: ignore[attr-defined]
+        assert 0 < np.count_nonzero(sent) < sent.size
+        np.testing.assert_allclose(sent + residual, anchor - local, rtol=1e-4, atol=1e-5)
+        assert np.abs(_weights(model).numpy() - pulled).max() < 1e-4 * (1 + 1e-5)
+        assert stats.extra["delta_pulls"] >= 1  # a pull after the push came as a delta from the anchor
+    assert sync.local is not None
+    np.testing.assert_array_equal(sync.local.anchor, _weights(model).numpy())
+
+
+def test_ps_sync_refuses_local_steps_without_an_inner_optimizer_or_with_another_cadence() -> None:
+    for kwargs in ({"inner": None}, {"n_push": 2}, {"n_fetch": 4}):
+        with pytest.raises(ValueError, match="local steps need an inner optimizer and n_fetch = n_push = 1"):
+            PSSync(_model(), [], name="g", incarnation=1, local_steps=4,
+                   **{"inner": OptimizerSpec("adam", 1e-3), **kwargs})  # type: ignore[arg-type]
+
+
 def test_local_optimizer_steps_with_torch() -> None:
     torch.manual_seed(0)
     layer = nn.Linear(2, 1)
@@ -345,8 +405,8 @@ def test_local_optimizer_steps_with_torch() -> None:
     opt.step()
     torch.testing.assert_close(layer.weight.detach(), before - 0.5)
     assert (opt.stats().bytes_pushed, opt.stats().bytes_pulled) == (0, 0)
-    with pytest.raises(ValueError, match="'adam' or 'sgd'"):
-        LocalOptimizer(layer.parameters(), "adagrad", lr=0.1)
+    with pytest.raises(ValueError, match="'nesterov' or 'adagrad', got 'lbfgs'"):
+        LocalOptimizer(layer.parameters(), "lbfgs", lr=0.1)
 
 
 # -- compressed pulls: quantized parameter deltas from real PS shards, over a real socket ------------------------

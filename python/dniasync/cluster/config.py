@@ -260,6 +260,8 @@ class SyncConfig(Section, frozen=True):
 
     kind_only: ClassVar[dict[str, tuple[str, ...]]] = {"fanout": ("p2p",), "max_lag": ("p2p",)}
     """key -> the kinds it applies to (checked against the kind in force, written or the mode's default)."""
+    local_steps_modes: ClassVar[tuple[str, ...]] = ("downpour", "p2p")
+    """The modes whose trainers take local steps (the other modes reject ``local_steps`` and the outer keys)."""
 
     kind: Annotated[SyncName, Meta(description=(
         "`local` (each trainer steps its own optimizer, nothing shared), `ps` (push gradients to and pull "
@@ -268,8 +270,12 @@ class SyncConfig(Section, frozen=True):
         "A kind the mode does not take is an error naming those it does"))] | None = None
     local_steps: Annotated[int, Meta(ge=1, description=(
         "inner steps between two exchanges (DiLoCo's H): the weights' change over them is shared as a "
-        "pseudo-gradient; 1: share as the kind does at every step"))] = 1
-    outer_lr: Annotated[float, Meta(gt=0.0, description="the outer (Nesterov) step's lr on the shared pseudo-gradient")] = 0.7
+        "pseudo-gradient; 1: share as the kind does at every step. Modes `downpour` (each replica steps its own "
+        "`[optimizer]`, pushes the pseudo-gradient and pulls every H steps; the PS shards run the outer step; "
+        "not with downpour.n_push or n_fetch above 1) and `p2p`"))] = 1
+    outer_lr: Annotated[float, Meta(gt=0.0, description=(
+        "the outer (Nesterov) step's lr on the mean pseudo-gradient of a round; downpour's PS shards apply each "
+        "replica's push as it comes, with outer_lr / n_replicas"))] = 0.7
     outer_momentum: Annotated[float, Meta(ge=0.0, lt=1.0, description="the outer step's Nesterov momentum")] = 0.9
     fanout: Annotated[int, Meta(ge=0, description="peers each update goes to (gossip); 0: every peer")] = 0
     max_lag: Annotated[int, Meta(ge=1, description="a peer this many updates behind takes a dense copy")] = 16
@@ -412,6 +418,15 @@ def _check_sync(config: Config, raw: Mapping[str, Any]) -> None:
         if key in given and config.sync_kind not in applies:
             raise ConfigError(f"'sync.{key}' applies only when sync.kind is {' or '.join(map(repr, applies))} "
                               f"(it is {config.sync_kind!r})", f"sync.{key}")
+    modes = SyncConfig.local_steps_modes
+    for key in ("local_steps", "outer_lr", "outer_momentum"):
+        if key in given and config.mode not in modes:
+            raise ConfigError(f"'sync.{key}' applies only in job.mode {' or '.join(map(repr, modes))} (it is "
+                              f"{config.mode!r})", f"sync.{key}")
+    for key in ("outer_lr", "outer_momentum"):
+        if key in given and config.sync.local_steps == 1:
+            raise ConfigError(f"'sync.{key}' applies only with sync.local_steps above 1: with 1 there is no outer "
+                              "step", f"sync.{key}")
 
 
 def _resolve(config: Config) -> None:

@@ -160,13 +160,21 @@ class ShardSpec:
 @message("dniasync.train.PSLinkSpec")
 @dataclass(frozen=True)
 class PSLinkSpec:
-    """Downpour: pull from ``ps`` every ``n_fetch`` steps, push every ``n_push``; ``offsets[i]`` starts shard i."""
+    """Downpour: pull from ``ps`` every ``n_fetch`` steps, push every ``n_push``; ``offsets[i]`` starts shard i.
+
+    With ``local_steps = H > 1`` (DiLoCo, :mod:`dniasync.train.sync.outer`) the trainer steps its own
+    ``inner`` optimizer, and every H steps pushes the pseudo-gradient (weights at the last pull minus now) and
+    pulls; ``n_fetch`` and ``n_push`` are then 1 (the exchange is every H steps).
+    """
 
     ps: list[ActorRef]
     offsets: list[int]
     n_fetch: int = 1
     n_push: int = 1
     codec: CodecSpec = field(default_factory=CodecSpec)
+    local_steps: int = 1
+    inner: OptimizerSpec | None = None
+    """The trainer's optimizer between exchanges (required with ``local_steps > 1``)."""
 
 
 @message("dniasync.train.LocalSpec")

@@ -6,6 +6,18 @@ asynchronously with ``[optimizer]`` (and the staleness policy); every worker
 process runs one :class:`~dniasync.train.replica.Replica` on its own data shard.
 With a codec, traffic is compressed both ways: quantized gradients up,
 quantized parameter deltas down, a dense pull every ``resync_every``.
+
+With ``[sync] local_steps = H > 1`` (DiLoCo, Downpour's ``n_push`` done the
+modern way) each replica steps its own copy of ``[optimizer]`` for H steps,
+then pushes the pseudo-gradient (weights at its last pull minus now) and pulls.
+The shards run the outer optimizer instead of ``[optimizer]``: Nesterov with
+``sync.outer_momentum`` and lr ``sync.outer_lr / n_replicas``. DiLoCo's outer
+lr applies to the mean of the N replicas' pseudo-gradients, once per round; the
+shards apply each replica's push as it arrives, N outer steps per round. N
+steps of lr/N on the N pushes move the weights exactly as one step of lr on
+their mean without momentum; with it, the steady-state step per round is the
+same (lr times the mean over 1 - momentum), the momentum decaying per push
+instead of per round.
 """
 
 from __future__ import annotations
@@ -18,7 +30,7 @@ from msgspec import Meta
 
 from ...actors import ActorError, ActorRef, Directive
 from ...train.messages import Params, Pull, ShardStats
-from ...train.specs import PSLinkSpec, ReplicaSpec, ShardSpec
+from ...train.specs import OptimizerSpec, PSLinkSpec, ReplicaSpec, ShardSpec
 from .._schema import ConfigError, KeyProblem, Section
 from ..mode_api import Hoster, Snapshot
 from ..panels import PS_PANELS, Panel
@@ -83,7 +95,7 @@ async def record_ps_stats(report: RunReport, shards: list[ActorRef | None]) -> N
         except ActorError as exc:
             report.set_metric(f"ps{index}_stats_error", repr(exc))
             continue
-        for key in ("applied", "version", "staleness_sum", "dense_pulls", "delta_pulls"):
+        for key in ("applied", "samples", "version", "staleness_sum", "dense_pulls", "delta_pulls"):
             report.set_metric(f"ps{index}_{key}", int(stats[key]))
         for key, count in stats["rejected"].items():
             report.set_metric(f"ps{index}_rejected_{key}", int(count))
@@ -109,17 +121,26 @@ class _DownpourJob(DataParallelJob):
         self.codec = codec_spec(self.settings.codec, self.settings.tau, self.settings.block, self.settings.delta_tau,
                                 self.settings.resync_every)
 
+    @property
+    def shard_optimizer(self) -> OptimizerSpec:
+        """``[optimizer]``; with local steps the outer Nesterov step, its lr split over the replicas' pushes."""
+        sync = self.config.sync
+        if sync.local_steps == 1:
+            return self.optimizer_spec
+        return OptimizerSpec("nesterov", sync.outer_lr / self.settings.n_replicas, sync.outer_momentum)
+
     def ps_shards(self) -> list[Any]:
         return [
-            ShardSpec(k, offset, self.initial[offset:offset + length].copy(), self.optimizer_spec, self.codec,
+            ShardSpec(k, offset, self.initial[offset:offset + length].copy(), self.shard_optimizer, self.codec,
                       self.settings.staleness, self.settings.max_staleness or 0)
             for k, (offset, length) in enumerate(self.ranges)
         ]
 
     def sync_spec(self) -> PSLinkSpec:
         ps = [ref for ref in self.runner.ps if ref is not None]
+        local_steps = self.config.sync.local_steps
         return PSLinkSpec(ps, [offset for offset, _ in self.ranges], self.settings.n_fetch, self.settings.n_push,
-                          self.codec)
+                          self.codec, local_steps, self.optimizer_spec if local_steps > 1 else None)
 
     async def snapshot(self) -> Snapshot:
         replies = await asyncio.gather(*(ps.ask(Pull(), timeout=10.0) for ps in self.runner.ps if ps is not None))
@@ -149,7 +170,12 @@ class _Downpour(DataParallelMode):
         return ("ps",)
 
     def check(self, config: Config, raw: Mapping[str, Any]) -> None:
-        return
+        if config.sync.local_steps > 1:
+            for key in ("n_push", "n_fetch"):
+                if getattr(config.settings, key) != 1:
+                    raise ConfigError(f"'downpour.{key}' is {getattr(config.settings, key)}; with sync.local_steps = "
+                                      f"{config.sync.local_steps} a replica pushes its pseudo-gradient and pulls every "
+                                      "local_steps steps: leave n_push and n_fetch at 1", f"downpour.{key}")
 
     def resolve(self, config: Config, model: nn.Module) -> None:
         from ...train.models import count_parameters
@@ -163,8 +189,14 @@ class _Downpour(DataParallelMode):
         return config.settings.n_ps_shards, config.settings.n_replicas
 
     def summary_lines(self, config: Config, doc: Mapping[str, Any]) -> list[str]:
-        return [f"  bytes pushed       {doc.get('bytes_pushed', 0):,} (codec {config.settings.codec})",
-                f"  bytes pulled       {doc.get('bytes_pulled', 0):,}"]
+        lines = [f"  bytes pushed       {doc.get('bytes_pushed', 0):,} (codec {config.settings.codec})",
+                 f"  bytes pulled       {doc.get('bytes_pulled', 0):,}"]
+        sync = config.sync
+        if sync.local_steps > 1:
+            lines.append(f"  local steps        {sync.local_steps} (inner {config.optimizer.name} lr "
+                         f"{config.optimizer.lr:g}; outer nesterov lr {sync.outer_lr:g} / {config.settings.n_replicas}"
+                         f" replicas, momentum {sync.outer_momentum:g})")
+        return lines
 
     def panels(self, config: Config) -> tuple[Panel, ...]:
         return PS_PANELS

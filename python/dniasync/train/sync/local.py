@@ -9,12 +9,13 @@ them), pushes and pulls nothing, and its checkpoint is the optimizer's state
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..flat import FlatModel
-from ..specs import LocalSpec
+from ..specs import LocalSpec, OptimizerSpec
 from .base import SyncContext, SyncKind, SyncStats, register
 
 __all__ = [
@@ -31,9 +32,11 @@ LOCAL_STEPS_PER_CALL = 8
 
 
 def make_optimizer(
-    params: list[nn.Parameter], kind: str, lr: float, *, fused: bool = True, momentum: float = 0.0
+    params: list[nn.Parameter], kind: str, lr: float, *, fused: bool = True, momentum: float = 0.0,
+    eps: float = 1e-8, betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.0,
 ) -> torch.optim.Optimizer:
-    """torch's Adam or SGD (``momentum``: SGD's).
+    """torch's optimizer ``kind``: ``adam``, ``sgd`` (``momentum``: SGD's), and the other rules of a job's
+    ``[optimizer]``, as the PS shards' store runs them: ``momentum`` (heavy ball), ``nesterov``, ``adagrad``.
 
     ``fused`` (the default): Adam runs as torch's single-kernel update. On the
     CPU torch's default Adam loops over tensors op by op: 6.4 ms a step for a
@@ -41,10 +44,13 @@ def make_optimizer(
     update up to rounding. ``fused=False`` gives torch's default.
     """
     if kind == "adam":
-        return torch.optim.Adam(params, lr=lr, fused=fused or None)
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum)
-    raise ValueError(f"optimizer must be 'adam' or 'sgd', got {kind!r}")
+        return torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused or None)
+    if kind in ("sgd", "momentum", "nesterov"):
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=kind == "nesterov",
+                               weight_decay=weight_decay)
+    if kind == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr, eps=eps, weight_decay=weight_decay)
+    raise ValueError(f"optimizer must be 'adam', 'sgd', 'momentum', 'nesterov' or 'adagrad', got {kind!r}")
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -76,16 +82,23 @@ def load_optimizer_tensors(optimizer: torch.optim.Optimizer, saved: dict[str, to
 
 
 class LocalOptimizer:
-    """The trainer's own torch optimizer (Adam or SGD): nothing to push or pull."""
+    """The trainer's own torch optimizer: nothing to push or pull (also the inner optimizer of local steps)."""
 
     flat: FlatModel | None = None
     pulls_params = False
 
-    def __init__(self, params: Iterable[nn.Parameter], kind: str, lr: float, *, momentum: float = 0.0) -> None:
-        self.optimizer: torch.optim.Optimizer = make_optimizer(list(params), kind, lr, momentum=momentum)
+    def __init__(self, params: Iterable[nn.Parameter], kind: str, lr: float, *, momentum: float = 0.0,
+                 **options: Any) -> None:
+        self.optimizer: torch.optim.Optimizer = make_optimizer(list(params), kind, lr, momentum=momentum, **options)
         self.lr = lr
         """The configured learning rate (:meth:`scale_lr` scales it)."""
         self.scale = 1.0
+
+    @classmethod
+    def for_spec(cls, params: Iterable[nn.Parameter], spec: OptimizerSpec) -> LocalOptimizer:
+        """torch's counterpart of the rule ``spec`` names for a PS shard (``sgd`` there has no momentum)."""
+        return cls(params, spec.name, spec.lr, momentum=0.0 if spec.name == "sgd" else spec.momentum,
+                   eps=spec.eps, betas=spec.betas, weight_decay=spec.weight_decay)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

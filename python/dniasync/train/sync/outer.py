@@ -27,12 +27,12 @@ How the syncs use them:
 - **PS** (``train/sync/ps.py``): the inner optimizer runs locally (torch's, as
   for a lone trainer). Every H steps the trainer pushes the pseudo-gradient,
   codec and residual applied as to any gradient, and the PS shards run the outer
-  optimizer as their own (``[optimizer] name = "nesterov", lr = 0.7, momentum =
-  0.9``: the store's rule is the one above); the trainer then pulls and resets its
-  anchor to what it pulled. The shards apply each trainer's pseudo-gradient as it
-  arrives, not an average of N: N asynchronous pushes make N outer steps, so with
-  N trainers an lr of ``0.7 / N`` (or pushing ``delta / N``) matches one averaged
-  step. No OuterOptimizer runs on the trainer.
+  optimizer as their own (the store's ``nesterov`` rule, the one above, with
+  ``[sync] outer_momentum``); the trainer then pulls and resets its anchor to what
+  it pulled. The shards apply each trainer's pseudo-gradient as it arrives, not an
+  average of N: N asynchronous pushes make N outer steps, so Downpour gives them
+  the lr ``outer_lr / N``, which matches one averaged step (exactly without
+  momentum, in the steady state with it). No OuterOptimizer runs on the trainer.
 - **p2p** (``train/sync/p2p.py``): no shard. Every H steps each peer sends its
   pseudo-gradient (quantized, residual kept) and averages what it sent with what
   it received for that round, then runs the outer step itself on its own anchor

@@ -19,6 +19,16 @@ replicas and replicated pipeline stages: the trainer's parameters are views
 of the link's buffer, a step adds the gradients to an accumulator (the shards
 run the optimizer), the accumulator is pushed every ``n_push`` steps and the
 shards pulled every ``n_fetch``; the first batch waits for a first pull.
+
+With ``local_steps = H > 1`` (DiLoCo: see :mod:`dniasync.train.sync.outer`)
+the trainer steps its own inner optimizer (torch's counterpart of the job's
+``[optimizer]``, :meth:`LocalOptimizer.for_spec`) instead, and every H steps
+pushes the pseudo-gradient ``anchor - now`` through the same codec and
+residual, puts its weights back to the anchor and pulls: the shards, which run
+the outer optimizer (Nesterov), answer with the next anchor. The weights are
+put back before the pull because a quantized pull is a delta from what the
+shard last sent, i.e. from the anchor. A shard that misses the push loses those
+H steps of its slice, as it would lose a gradient.
 """
 
 from __future__ import annotations
@@ -37,8 +47,10 @@ from ...actors import ActorError, ActorRef, Backoff
 from ..compression import CodecName, DeltaCodec, make_codec
 from ..flat import FlatModel, flatten_parameters, split_ranges
 from ..messages import Params, ParamsDelta, Pull, PullDelta, Push
-from ..specs import CodecSpec, PSLinkSpec
+from ..specs import CodecSpec, OptimizerSpec, PSLinkSpec
 from .base import Clock, SyncContext, SyncKind, SyncStats, register
+from .local import LocalOptimizer
+from .outer import LocalSteps
 
 __all__ = ["CollapsedWarnings", "PSSync", "ShardLink"]
 
@@ -227,9 +239,11 @@ class PSSync:
     every shard is retried after every run of steps until it does (the link's
     backoff spaces the attempts). ``offsets[i]`` starts shard i's slice (None:
     the vector cut evenly).
+
+    ``local_steps > 1`` with an ``inner`` optimizer: local steps, as the module
+    says (``n_fetch`` and ``n_push`` must then be 1).
     """
 
-    optimizer: torch.optim.Optimizer | None = None
     pulls_params = True
 
     def __init__(
@@ -243,11 +257,16 @@ class PSSync:
         n_fetch: int = 1,
         n_push: int = 1,
         codec: CodecSpec = CodecSpec(),
+        local_steps: int = 1,
+        inner: OptimizerSpec | None = None,
         ask_timeout_s: float = 10.0,
         clock: Clock = time.monotonic,
     ) -> None:
         if n_fetch < 1 or n_push < 1:
             raise ValueError(f"n_fetch and n_push must be >= 1, got {n_fetch} and {n_push}")
+        if local_steps > 1 and (inner is None or n_fetch != 1 or n_push != 1):
+            raise ValueError("local steps need an inner optimizer and n_fetch = n_push = 1 (they exchange every "
+                             f"local_steps = {local_steps} steps)")
         buffer = flatten_parameters(model)
         self.flat = FlatModel(model, buffer)
         if offsets is None:
@@ -260,6 +279,13 @@ class PSSync:
                               ask_timeout_s=ask_timeout_s, clock=clock)
         self.n_fetch = n_fetch
         self.n_push = n_push
+        self.inner: LocalOptimizer | None = None
+        """The trainer's own optimizer between exchanges (local steps only)."""
+        self.local: LocalSteps | None = None
+        if local_steps > 1:
+            assert inner is not None
+            self.inner = LocalOptimizer.for_spec(model.parameters(), inner)
+            self.local = LocalSteps(buffer, local_steps)
         self._name, self._codec, self._ask_timeout_s, self._clock = name, codec, ask_timeout_s, clock
         self.steps = 0
         self._params = list(model.parameters())
@@ -270,39 +296,59 @@ class PSSync:
         self._since_fetch = 0
         self._pulled = False
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return None if self.inner is None else self.inner.optimizer
+
     def zero_grad(self) -> None:
         for p in self._params:
             p.grad = None
 
     def step(self) -> None:
-        self.flat.accumulate_grad()
+        if self.inner is None:
+            self.flat.accumulate_grad()
+        else:
+            self.inner.step()
+            self.zero_grad()  # a replica does not clear .grad before its next backward: accumulate_grad does
         self._pending += 1
         self.steps += 1
 
     def steps_per_call(self, steps: int) -> int:
         # a thread hop costs ~0.1 ms: run every step up to the next pull or push in one
+        if self.local is not None:
+            return self.local.local_steps - self._pending
         return min(self.n_push - steps % self.n_push, self.n_fetch - steps % self.n_fetch)
 
     def scale_lr(self, scale: float) -> None:
-        if scale != 1.0:
+        if self.inner is not None:  # local steps: the inner optimizer is the trainer's own
+            self.inner.scale_lr(scale)
+        elif scale != 1.0:
             raise ValueError("the PS shards apply the optimizer of a trainer that shares through them: its lr "
                              "cannot be decayed from the trainer")
 
     def lr_now(self) -> float:
-        return float("nan")
+        return float("nan") if self.inner is None else self.inner.lr_now()
 
     async def _pull(self) -> None:
         if await self.link.pull():
             self._pulled = True
             self._since_fetch = 0
+        if self.local is not None:  # what was pulled (or, for a shard that did not answer, kept) is the anchor
+            self.local.reset(self.link.buffer)
 
     async def ready(self) -> None:
-        if not self._pulled:
+        if not self._pulled and not (self.local is not None and self._pending):  # never amid local steps
             await self._pull()
 
     async def _push(self) -> None:
-        await self.link.push(self.flat.grad.numpy(), self._samples_pending)
-        self.flat.grad.zero_()
+        if self.local is None:
+            await self.link.push(self.flat.grad.numpy(), self._samples_pending)
+            self.flat.grad.zero_()
+        else:
+            pseudo = self.local.pseudo_gradient(self.link.buffer, out=self.flat.grad.numpy())
+            await self.link.push(pseudo, self._samples_pending)
+            np.copyto(self.link.buffer, self.local.anchor)  # a pulled delta applies to what the shard last sent
+            self.flat.grad.zero_()
         self._pending = self._samples_pending = 0
 
     async def sync(self, samples: int) -> None:
@@ -311,6 +357,11 @@ class PSSync:
         self._steps_synced = self.steps
         if not new_steps:
             return
+        if self.local is not None:
+            if self._pending >= self.local.local_steps:
+                await self._push()
+                await self._pull()
+            return
         if self._pending >= self.n_push:
             await self._push()
         self._since_fetch += new_steps
@@ -318,14 +369,19 @@ class PSSync:
             await self._pull()
 
     async def flush(self) -> None:
-        """Push what has accumulated since the last push now (before the shards are re-partitioned)."""
+        """Push what has accumulated since the last push now (before the shards are re-partitioned); with local
+        steps, pull the new anchor too."""
         if self._pending:
             await self._push()
+            if self.local is not None:
+                await self._pull()
 
     def relinked(self, layers: nn.Module) -> PSSync:
         """The same link settings for ``layers`` (after layers moved in or out): a new incarnation that pulls its
         shards' new slice (cut evenly) before its first batch. Call :meth:`flush` first: accumulated gradients do
         not carry."""
+        if self.local is not None:
+            raise NotImplementedError("local steps are for data-parallel replicas: their layers never move")
         fresh = PSSync(layers, self.link.shards, name=self._name, n_fetch=self.n_fetch, n_push=self.n_push,
                        incarnation=max(self.link.incarnation + 1, time.time_ns() // 1000), codec=self._codec,
                        ask_timeout_s=self._ask_timeout_s, clock=self._clock)
@@ -335,11 +391,13 @@ class PSSync:
         return fresh
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Nothing: the shards hold (and checkpoint) the parameters and the optimizer."""
-        return {}
+        """The inner optimizer's state with local steps; else nothing: the shards hold (and checkpoint) the
+        parameters and the optimizer. The anchor is the next pull."""
+        return {} if self.inner is None else self.inner.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        return
+        if self.inner is not None:
+            self.inner.load_state_dict(state)
 
     def stats(self) -> SyncStats:
         link = self.link
@@ -356,10 +414,11 @@ class PSSync:
 
 def _build(spec: PSLinkSpec, model: nn.Module, ctx: SyncContext) -> PSSync:
     return PSSync(model, spec.ps, name=ctx.name, incarnation=ctx.incarnation, offsets=spec.offsets,
-                  n_fetch=spec.n_fetch, n_push=spec.n_push, codec=spec.codec, ask_timeout_s=ctx.ask_timeout_s,
-                  clock=ctx.clock)
+                  n_fetch=spec.n_fetch, n_push=spec.n_push, codec=spec.codec, local_steps=spec.local_steps,
+                  inner=spec.inner, ask_timeout_s=ctx.ask_timeout_s, clock=ctx.clock)
 
 
 register(SyncKind("ps", PSLinkSpec, _build, needs_ps=True, owns_optimizer=False,
                   doc="Downpour: push the accumulated gradient every n_push steps, pull every n_fetch, to PS shards "
-                      "that run the optimizer (codec and residual on the pushes, quantized deltas down)"))
+                      "that run the optimizer (codec and residual on the pushes, quantized deltas down); with local_steps H > 1, "
+                      "an inner optimizer steps the replica and the pseudo-gradient is pushed every H steps"))
