@@ -27,6 +27,7 @@ __all__ = [
     "EVENT_REPLICA_FAILED",
     "EVENT_REPLICA_JOINED",
     "EVENT_SHARD_REASSIGNED",
+    "FINAL_WEIGHTS_FILE",
     "SUMMARY_FORMAT",
     "EvalPoint",
     "Event",
@@ -37,6 +38,8 @@ __all__ = [
 ]
 
 SUMMARY_FORMAT: Final = 1
+FINAL_WEIGHTS_FILE: Final = "final_weights.safetensors"
+"""The model's weights at the last evaluation (state-dict names), beside the summary when the mode gives them."""
 
 EVENT_REPLICA_FAILED: Final = "replica_failed"
 EVENT_SHARD_REASSIGNED: Final = "shard_reassigned"
@@ -116,6 +119,7 @@ class RunReport:
         self.wall_s = 0.0
         self.samples = 0
         self.stop_reason: str | None = None
+        self._final_weights: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- recording
 
@@ -165,6 +169,10 @@ class RunReport:
     def set_metric(self, name: str, value: Scalar) -> None:
         """Set a named run-level number (samples/s, pushes dropped, ...); last value wins."""
         self._metrics[name] = _check_scalar(f"metric {name!r}", value)
+
+    def set_final_weights(self, arrays: Mapping[str, Any]) -> None:
+        """The evaluated model's final weights (state-dict name -> numpy array), for :data:`FINAL_WEIGHTS_FILE`."""
+        self._final_weights = dict(arrays)
 
     def finish(self, wall_s: float, samples: int, reason: str) -> None:
         """Record the run's end: total time, total samples, why it stopped."""
@@ -255,10 +263,17 @@ class RunReport:
         return plot_reports([self], path)
 
     def write_outputs(self, out_dir: str | Path) -> Path:
-        """A job's outputs: ``summary.json`` and ``accuracy.png`` in ``out_dir``; the summary's path."""
+        """A job's outputs: ``summary.json``, ``accuracy.png`` (and the final weights, if set) in ``out_dir``;
+        the summary's path."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.plot(out / "accuracy.png")
+        if self._final_weights:
+            import safetensors.numpy
+
+            tmp = out / f".{FINAL_WEIGHTS_FILE}.tmp"
+            safetensors.numpy.save_file(self._final_weights, str(tmp))
+            tmp.replace(out / FINAL_WEIGHTS_FILE)
         return self.write_summary(out / "summary.json")
 
     @classmethod

@@ -12,13 +12,19 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["FlatModel", "evaluate", "flatten_parameters", "split_ranges"]
+__all__ = ["FlatModel", "evaluate", "flatten_parameters", "model_arrays", "split_ranges"]
 
 
 def flatten_parameters(model: nn.Module) -> np.ndarray:
     """The model's parameters, concatenated in ``parameters()`` order (a copy)."""
     with torch.no_grad():
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).to(torch.float32).numpy().copy()
+
+
+def model_arrays(model: nn.Module) -> dict[str, np.ndarray]:
+    """``model``'s state dict (parameters and buffers) as contiguous numpy copies, named as torch names them."""
+    with torch.no_grad():
+        return {name: np.ascontiguousarray(t.detach().cpu().numpy()).copy() for name, t in model.state_dict().items()}
 
 
 def split_ranges(n: int, parts: int) -> list[tuple[int, int]]:

@@ -300,7 +300,10 @@ class DataParallelJob:
                 pass
 
     async def record(self, report: RunReport) -> None:
+        from ...train.flat import model_arrays
+
         report.set_metric("dense_bytes_pushed", sum(r.dense_bytes_pushed for r in self.replicas.values()))
+        report.set_final_weights(model_arrays(self.eval_flat.model))  # the weights the last evaluation scored
 
     async def close(self) -> None:
         return

@@ -644,7 +644,10 @@ class PipelineJob:
             self._stage_bytes[s.address] = (s.bytes_pushed, s.bytes_pulled)
 
     async def record(self, report: RunReport) -> None:
+        from ...train.flat import model_arrays
+
         p = self.p
+        report.set_final_weights(model_arrays(self.eval_model))  # the weights the last evaluation scored
         report.set_metric("stages", len(p.groups))
         report.set_metric("pipelines", p.replicas)
         report.set_metric("method", p.method)

@@ -244,6 +244,9 @@ class _SandblasterJob:
                 pass
 
     async def record(self, report: RunReport) -> None:
+        from ...train.flat import model_arrays
+
+        report.set_final_weights(model_arrays(self.eval_flat.model))  # the weights the last evaluation scored
         for key, value in self._figures().items():
             if isinstance(value, float) and not math.isfinite(value):
                 continue

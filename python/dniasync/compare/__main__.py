@@ -1,0 +1,5 @@
+"""``python -m dniasync.compare``: see :func:`dniasync.compare.cli.main`."""
+
+from .cli import main
+
+raise SystemExit(main())
