@@ -23,9 +23,9 @@ from dniasync.train.ps import PSShard
 from dniasync.train.specs import OptimizerSpec, ShardSpec
 
 ROOT = Path(__file__).resolve().parent.parent
-ALLOWED_LABELS = {"role", "msg_type", "direction", "stage", "shard", "reason",
+ALLOWED_LABELS = {"role", "msg_type", "direction", "stage", "shard", "reason", "event", "stat",
                   "version", "core_version", "python_version", "torch_version"}
-NAME = re.compile(r"^dniasync_[a-z]+_[a-z0-9_]+$")
+NAME = re.compile(r"^dniasync_[a-z][a-z0-9]*_[a-z0-9_]+$")
 
 
 def promtool() -> str:

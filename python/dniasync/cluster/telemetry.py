@@ -29,6 +29,13 @@ TRAIN_WALL = FAMILIES.gauge("dniasync_train_wall_seconds", "Seconds since the jo
 TRAIN_REPLICAS_ALIVE = FAMILIES.gauge("dniasync_train_replicas_alive", "Replicas the coordinator considers alive.")
 TRAIN_REPLICAS_DEAD = FAMILIES.gauge("dniasync_train_replicas_dead", "Replicas the coordinator declared dead.")
 TRAIN_FINISHED = FAMILIES.gauge("dniasync_train_finished", "1 once the job has finished, else 0.")
+# -- peer to peer (cluster/modes/p2p.py: the coordinator's view) ------------------------------
+P2P_CONSENSUS = FAMILIES.gauge(
+    "dniasync_p2p_consensus_distance_ratio",
+    "Consensus distance at the last evaluation: max or mean over live peers of |w_i - mean w| / |mean w|, "
+    "estimated from count-sketches (stat).",
+    "stat")
+P2P_JOB_PEERS = FAMILIES.gauge("dniasync_p2p_job_peers_alive", "Peers the coordinator considers alive.")
 
 
 class JobSnapshot(Protocol):

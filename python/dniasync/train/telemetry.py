@@ -115,6 +115,21 @@ SB_DUPLICATES = FAMILIES.counter("dniasync_sandblaster_duplicates_dropped_total"
                                  "Portion results dropped because another replica's result had won.")
 SB_COMMAND_BYTES = FAMILIES.counter("dniasync_sandblaster_command_bytes_total",
                                     "Bytes of the coordinator's commands to the PS shards and of their replies.")
+# -- peer to peer (train/sync/p2p.py: one peer's side) -----------------------------------
+P2P_BYTES = FAMILIES.counter(
+    "dniasync_p2p_bytes_total",
+    "Payload bytes of peer-to-peer updates and dense copies (direction: sent, received).", "direction")
+P2P_UPDATES = FAMILIES.counter(
+    "dniasync_p2p_updates_total",
+    "Peer-to-peer updates: own sent (sent), forwarded for others (forwarded), received new (received), "
+    "received again (duplicate), applied to the shared copy (applied), not sent to a silent or full peer (skipped).",
+    "event")
+P2P_DENSE = FAMILIES.counter("dniasync_p2p_dense_copies_total",
+                             "Dense copies of the shared weights a peer took from a neighbour or gave one (role).",
+                             "role")
+P2P_PEERS = FAMILIES.gauge("dniasync_p2p_peers_alive", "Peers in this peer's view of the membership (itself included).")
+P2P_LAG = FAMILIES.gauge("dniasync_p2p_lag_updates",
+                         "Updates of live peers known to exist that this peer's shared copy lacks.")
 
 PS_REJECT_REASONS: Final = ("stale", "duplicate", "zombie", "nonfinite", "bad_payload")
 

@@ -22,7 +22,7 @@ import numpy as np
 from ...actors import ActorError, ActorRef, Directive
 from ...train.data import DataCursor
 from ...train.messages import Fence, Progress, Shards, StopTraining
-from ...train.specs import PSLinkSpec, ReplicaSpec, SharedStoreSpec
+from ...train.specs import ReplicaSpec
 from ..mode_api import Snapshot
 from ..plan import data_spec, model_spec, optimizer_spec
 from ..protocol import Assignment, JoinJob, NoJob, Ready
@@ -118,7 +118,8 @@ class DataParallelJob:
         self.steps_before = 0
         """What earlier runs of a resumed job trained."""
 
-    def sync_spec(self) -> PSLinkSpec | SharedStoreSpec:
+    def sync_spec(self) -> object:
+        """The spec of the replicas' weight sync (any registered kind's: ``ReplicaSpec.sync``); each mode narrows it."""
         raise NotImplementedError
 
     def ps_shards(self) -> list[Any]:

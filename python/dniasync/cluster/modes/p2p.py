@@ -14,15 +14,23 @@ through the coordinator. The coordinator keeps job control only:
   its data shard goes to a live peer, and the others stop sending to it; one
   that reports again (it was frozen) is taken back: it gets a data shard and
   the membership, and catches up from a neighbour's dense copy;
-- each evaluation asks every live peer for its shared weights, scores the
-  first and records the **consensus distance**: the max and mean over live
-  peers of ``||w_i - mean(w)|| / ||mean(w)||`` (``consensus.json`` beside the
-  summary holds the series);
+- each evaluation asks one live peer for its shared weights and scores them,
+  and asks every live peer for a count-sketch of its own
+  (:mod:`dniasync.train.sketch`: :data:`~dniasync.train.sketch.SKETCH_BUCKETS`
+  float64 sums, 32 KiB, whatever the model's size; seeded by the job so every
+  peer hashes alike) and records the **consensus distance**: the max and mean
+  over live peers of ``||w_i - mean(w)|| / ||mean(w)||``, estimated from the
+  sketches (the sketch is linear: the mean's sketch is the sketches' mean;
+  within ~1.6% of the exact figure, one standard deviation).
+  ``consensus.json`` beside the summary holds the series. Copying every peer's
+  weights instead would cost N dense copies per evaluation on the training's
+  links;
 - at the end it waits (at most :data:`SETTLE_S`) for every live peer's ledger
   to hold every update the live peers sent, then puts each peer's counters
   and ledger, the bytes sent per step and the consensus figures into the
   summary (``consensus_distance_settled``: the distance once settled, which
-  only float rounding keeps above 0).
+  only float rounding keeps above 0; from the sketches too, which give exactly
+  0 for identical copies, so one dense copy is all an evaluation moves).
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from msgspec import Meta
 from prometheus_client.metrics_core import Metric
 
 from ...actors import ActorError, ActorRef, ActorSystem
-from ...metrics import Families, Tracker, track
+from ...metrics import Tracker, track
 from ...train.messages import Progress, Shards
 from ...train.specs import P2PSpec, ReplicaSpec
 from .._schema import ConfigError, KeyProblem, Section
@@ -49,14 +57,15 @@ from ..mode_api import Hoster, Snapshot
 from ..panels import Line, Panel
 from ..protocol import Ready
 from ..report import EVENT_REPLICA_JOINED
-from ._data_parallel import DataParallelJob, _Replica, host_replica
+from ..telemetry import P2P_CONSENSUS, P2P_JOB_PEERS
+from ._data_parallel import DataParallelJob, DataParallelMode, _Replica, host_replica
 
 if TYPE_CHECKING:
     from ..config import Config
     from ..mode_api import Runner
     from ..report import RunReport
 
-__all__ = ["FAMILIES", "P2P", "P2PConfig", "PEERS_REPEAT_S", "SETTLE_S"]
+__all__ = ["P2P", "P2PConfig", "PEERS_REPEAT_S", "SETTLE_S"]
 
 log = logging.getLogger("dniasync.cluster.modes.p2p")
 
@@ -66,12 +75,6 @@ SETTLE_S: Final = 10.0
 """At the end, how long the coordinator waits for every live peer's ledger to hold every update sent."""
 COPY_TIMEOUT_S: Final = 10.0
 
-FAMILIES = Families()
-P2P_CONSENSUS = FAMILIES.gauge(
-    "dniasync_p2p_consensus_distance_ratio",
-    "Consensus distance at the last evaluation: max or mean over live peers of |w_i - mean w| / |mean w| (stat).",
-    "stat")
-P2P_JOB_PEERS = FAMILIES.gauge("dniasync_p2p_job_peers_alive", "Peers the coordinator considers alive.")
 
 
 class P2PConfig(Section, frozen=True):
@@ -114,8 +117,7 @@ class _P2PJob(DataParallelJob):
     def _live(self) -> list[tuple[str, _Replica]]:
         return [(n, r) for n, r in sorted(self.replicas.items()) if r.status == "alive" and r.ref is not None]
 
-    def sync_spec(self) -> P2PSpec:  # type: ignore[override]
-    
+    def sync_spec(self) -> P2PSpec:
         live = self._live()
         s, sync = self.settings, self.config.sync
         return P2PSpec([self._inbox(r) for _, r in live], self.epoch, s.codec, s.tau or 1e-3, sync.fanout,
@@ -178,21 +180,43 @@ class _P2PJob(DataParallelJob):
 
     # -- evaluation and consensus ------------------------------------------------------------
     async def snapshot(self) -> Snapshot:
-        from ...train.sync.p2p import DenseCopy, DenseRequest
-
+        """One live peer's weights, scored; the consensus distance over every live peer from their sketches."""
         live = self._live()
         if not live:
             raise ActorError("no live peer to take weights from")
-        replies = await asyncio.gather(*(self._inbox(r).ask(DenseRequest(), timeout=COPY_TIMEOUT_S) for _, r in live),
-                                       return_exceptions=True)
-        copies = [r.values for r in replies if isinstance(r, DenseCopy)]
-        if not copies:
-            error = next((r for r in replies if isinstance(r, BaseException)), None)
-            raise error if isinstance(error, ActorError) else ActorError(f"no peer answered: {error!r}")
-        if len(copies) >= 2:
+        copy, sketches = await asyncio.gather(self._dense_copy(live), self._sketches(live))
+        if len(sketches) >= 2:
             self.consensus.append({"seconds": time.monotonic() - self._t0, "samples": float(self.samples()),
-                                   **consensus_distance(copies), "peers": float(len(copies))})
-        return Snapshot(copies[0])
+                                   **consensus_distance(sketches), "peers": float(len(sketches))})
+        return Snapshot(copy)
+
+    async def _dense_copy(self, live: Sequence[tuple[str, _Replica]]) -> np.ndarray:
+        """The shared weights of the first live peer that gives them (one copy, whatever the number of peers)."""
+        from ...train.sync.p2p import DenseCopy, DenseRequest
+
+        error: BaseException | None = None
+        for _, state in live:
+            try:
+                reply = await self._inbox(state).ask(DenseRequest(), timeout=COPY_TIMEOUT_S)
+            except ActorError as exc:
+                error = exc
+                continue
+            if isinstance(reply, DenseCopy):
+                return reply.values
+        raise error if isinstance(error, ActorError) else ActorError("no peer answered with its weights")
+
+    async def _sketches(self, live: Sequence[tuple[str, _Replica]]) -> list[np.ndarray]:
+        """Every live peer's count-sketch that arrived (a peer that fails to answer is left out of the distance)."""
+        from ...train.sketch import SKETCH_BUCKETS
+        from ...train.sync.p2p import Sketch, SketchRequest
+
+        ask = SketchRequest(self.config.job.seed, SKETCH_BUCKETS)
+        replies = await asyncio.gather(*(self._inbox(r).ask(ask, timeout=COPY_TIMEOUT_S) for _, r in live),
+                                       return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, BaseException) and not isinstance(reply, ActorError):
+                raise reply
+        return [r.values for r in replies if isinstance(r, Sketch)]
 
     # -- ending ------------------------------------------------------------------------------
     async def _ask_stats(self) -> dict[str, dict[str, Any]]:
@@ -243,13 +267,13 @@ class _P2PJob(DataParallelJob):
             report.set_metric("consensus_distance_mean_avg",
                               sum(c["mean"] for c in self.consensus) / len(self.consensus))
         report.set_metric("consensus_evaluations", len(self.consensus))
-        measured = len(self.consensus)
-        try:  # once settled, every live peer's copy holds the same updates: what is left is float rounding
-            await self.snapshot()
-        except ActorError as exc:
-            log.warning("no settled consensus distance: %s", exc)
-        if len(self.consensus) > measured:
-            report.set_metric("consensus_distance_settled", self.consensus.pop()["max"])
+        # once settled, every live peer's copy holds the same updates: what is left is float rounding (the sketch
+        # of identical copies is identical, so this is 0 then, not 0 +- the sketch's error)
+        sketches = await self._sketches(live)
+        if len(sketches) >= 2:
+            report.set_metric("consensus_distance_settled", consensus_distance(sketches)["max"])
+        else:
+            log.warning("no settled consensus distance: %d of %d live peers sent a sketch", len(sketches), len(live))
         out = Path(self.config.output_dir)
         await self.runner.run_blocking(_write_json, out / "consensus.json", self.consensus)
 
@@ -262,7 +286,11 @@ class _P2PJob(DataParallelJob):
 
 
 def consensus_distance(copies: Sequence[np.ndarray]) -> dict[str, float]:
-    """Max and mean over ``copies`` of ``||w_i - mean||/ ||mean||`` (0 for identical copies)."""
+    """Max and mean over ``copies`` of ``||w_i - mean||/ ||mean||`` (0 for identical copies).
+
+    The copies may be the weights or any linear sketch of them (the same for each): :meth:`_P2PJob.snapshot`
+    passes count-sketches.
+    """
     stacked = np.stack([np.asarray(c, dtype=np.float64) for c in copies])
     mean = stacked.mean(axis=0)
     norm = float(np.linalg.norm(mean)) or 1.0
@@ -293,14 +321,12 @@ def _collect(system: ActorSystem, jobs: Sequence[_P2PJob]) -> Iterator[Metric]:
 _JOBS: Final[Tracker[_P2PJob]] = Tracker("p2p_jobs", _collect)
 
 
-class _P2P:
+class _P2P(DataParallelMode):
     name = "p2p"
     settings = P2PConfig
     shards_key = "p2p.n_peers"
     worker_kind = "peer"
-    member_kind = "replica"
     schedules = True
-    regroups = False
 
     def data_shards(self, settings: P2PConfig) -> int:
         return settings.n_peers

@@ -44,8 +44,10 @@ up yet when a change was told still learns of the others). The peer's
 messages arrive at a child actor of its trainer
 (:class:`PeerInbox`, named :func:`inbox_name`), so the trainer itself needs
 no handler for them; the job runner sends it membership changes
-(:class:`Peers`) and asks it for copies (evaluation, consensus distance) and
-statistics (:class:`P2PStatsRequest`).
+(:class:`Peers`) and asks it for a copy (the one peer an evaluation scores), a
+count-sketch of its shared copy (:class:`SketchRequest`: every peer, for the
+consensus distance; :mod:`dniasync.train.sketch`) and statistics
+(:class:`P2PStatsRequest`).
 """
 
 from __future__ import annotations
@@ -65,10 +67,12 @@ from prometheus_client.metrics_core import Metric
 from torch import nn
 
 from ...actors import Actor, ActorError, ActorRef, ActorSystem, handler, message
-from ...metrics import Families, Tracker, add_sample, track
+from ...metrics import Tracker, add_sample, track
 from ..compression import CompressedTensor, make_codec
 from ..flat import FlatModel, flatten_parameters
+from ..sketch import CountSketch
 from ..specs import P2PSpec
+from ..telemetry import P2P_BYTES, P2P_DENSE, P2P_LAG, P2P_PEERS, P2P_UPDATES
 from .base import SyncContext, SyncKind, SyncStats, register
 from .outer import OuterOptimizer
 
@@ -76,7 +80,6 @@ if TYPE_CHECKING:
     from .base import WeightSync
 
 __all__ = [
-    "FAMILIES",
     "P2P_SEGMENT",
     "DenseCopy",
     "DenseRequest",
@@ -86,6 +89,8 @@ __all__ = [
     "PeerInbox",
     "Peers",
     "Resend",
+    "Sketch",
+    "SketchRequest",
     "Update",
     "inbox_name",
 ]
@@ -163,6 +168,25 @@ class DenseCopy:
     steps: int
 
 
+@message("dniasync.train.sync.p2p.SketchRequest")
+@dataclass(frozen=True)
+class SketchRequest:
+    """Ask a peer for the count-sketch of its shared weights in ``k`` buckets hashed by ``seed`` (a :class:`Sketch`)."""
+
+    seed: int
+    k: int
+
+
+@message("dniasync.train.sync.p2p.Sketch")
+@dataclass(frozen=True)
+class Sketch:
+    """A peer's shared weights, sketched (:class:`~dniasync.train.sketch.CountSketch`): ``k`` float64 sums."""
+
+    peer: str
+    values: np.ndarray
+    steps: int
+
+
 @message("dniasync.train.sync.p2p.P2PStatsRequest")
 @dataclass(frozen=True)
 class P2PStatsRequest:
@@ -211,24 +235,7 @@ class _Received:
         return got
 
 
-# -- metrics -----------------------------------------------------------------------------------
-FAMILIES = Families()
-P2P_BYTES = FAMILIES.counter(
-    "dniasync_p2p_bytes_total",
-    "Payload bytes of peer-to-peer updates and dense copies (direction: sent, received).", "direction")
-P2P_UPDATES = FAMILIES.counter(
-    "dniasync_p2p_updates_total",
-    "Peer-to-peer updates: own sent (sent), forwarded for others (forwarded), received new (received), "
-    "received again (duplicate), applied to the shared copy (applied), not sent to a silent or full peer (skipped).",
-    "event")
-P2P_DENSE = FAMILIES.counter("dniasync_p2p_dense_copies_total",
-                             "Dense copies of the shared weights a peer took from a neighbour or gave one (role).",
-                             "role")
-P2P_PEERS = FAMILIES.gauge("dniasync_p2p_peers_alive", "Peers in this peer's view of the membership (itself included).")
-P2P_LAG = FAMILIES.gauge("dniasync_p2p_lag_updates",
-                         "Updates of live peers known to exist that this peer's shared copy lacks.")
-
-
+# -- metrics (the families: dniasync.train.telemetry) ------------------------------------------------
 def _collect(system: ActorSystem, syncs: Sequence[P2PSync]) -> Iterator[Metric]:
     families = {d: d.family() for d in (P2P_BYTES, P2P_UPDATES, P2P_DENSE)}
     for sync in syncs:
@@ -323,6 +330,8 @@ class P2PSync:
         """(origin, seq) -> resends asked for it so far."""
         self._missing_before: set[tuple[str, int]] = set()
         self._last_copy = -1e9
+        self._sketcher: CountSketch | None = None
+        """Built at the first :class:`SketchRequest` and kept: the job asks with the same seed and k every time."""
         self.inbox: ActorRef | None = None
         self._started = False
         self._closed = False
@@ -592,6 +601,13 @@ class P2PSync:
         self.counters.bytes_sent += 4 * self.n
         return DenseCopy(self.me, self.w.copy(), {o: r.wire() for o, r in ledger.items()}, self.steps)
 
+    def sketch(self, msg: SketchRequest) -> Sketch:
+        """The count-sketch of the shared weights (received updates still waiting excluded, as in a dense copy)."""
+        sketcher = self._sketcher
+        if sketcher is None or (sketcher.seed, sketcher.k) != (msg.seed, msg.k):
+            sketcher = self._sketcher = CountSketch(self.n, msg.k, msg.seed)
+        return Sketch(self.me, sketcher(self.w), self.steps)
+
     async def _copy_from(self, peer: ActorRef) -> bool:
         """Take ``peer``'s shared weights and ledger; re-apply own updates the copy lacks. False if it failed."""
         try:
@@ -720,6 +736,10 @@ class PeerInbox(Actor):
     @handler
     def dense(self, msg: DenseRequest) -> DenseCopy:
         return self.sync.dense_copy()
+
+    @handler
+    def sketch(self, msg: SketchRequest) -> Sketch:
+        return self.sync.sketch(msg)
 
     @handler
     def stats(self, msg: P2PStatsRequest) -> dict[str, Any]:
