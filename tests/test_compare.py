@@ -120,6 +120,8 @@ def test_every_difference_is_printed(ran: tuple[subprocess.CompletedProcess[str]
     lines = {line.split("**")[1]: line for line in md.splitlines() if line.startswith("- **")}
     for method, entry in doc["methods"].items():
         assert entry["differences"] or method == "pipeline:dni+ps"
+        if entry["reason"] is not None:
+            assert "not run (cannot run this job)" in lines[method]
         for difference in entry["differences"]:
             assert f"`{difference}`" in lines[method]
     assert "`optimizer.lr = 0.1 (base 0.05)`" in lines["downpour"]

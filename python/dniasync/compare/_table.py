@@ -138,7 +138,10 @@ def _markdown(plan: Plan, doc: dict[str, Any]) -> str:
     lines += ["", "## Differences from the base config", ""]
     for m in plan.methods:
         diffs = doc["methods"][m.method]["differences"]
-        lines.append(f"- **{m.method}**: " + ("; ".join(f"`{d}`" for d in diffs) if diffs else "none"))
+        if m.reason is not None:
+            lines.append(f"- **{m.method}**: not run (cannot run this job)")
+        else:
+            lines.append(f"- **{m.method}**: " + ("; ".join(f"`{d}`" for d in diffs) if diffs else "none"))
     if doc["not_run"]:
         lines += ["", "## Not run (interrupted)", ""] + [f"- {m} seed {s}" for m, s in doc["not_run"]]
     lines += ["", "Times are the job's wall clock from the start of training to the first held-out evaluation "
