@@ -255,7 +255,7 @@ def test_a_config_without_sync_runs_the_modes_own(mode: str, kind: str, needs_ps
 def test_sync_keys_are_checked_and_round_trip() -> None:
     raw = with_(with_(base(), "sync.kind", "ps"), "sync.local_steps", 4)
     config = parse_config(with_(raw, "sync.outer_momentum", 0.5))
-    assert (config.sync.local_steps, config.sync.outer_lr, config.sync.outer_momentum) == (4, 0.7, 0.5)
+    assert (config.sync.local_steps, config.sync.outer_lr, config.sync.outer_momentum) == (4, 1.0, 0.5)
     assert config.to_dict()["sync"] == {"kind": "ps", "local_steps": 4, "outer_momentum": 0.5}
     assert parse_config(config.to_dict()) == config
     for dotted, value, message in [

@@ -275,8 +275,12 @@ class SyncConfig(Section, frozen=True):
         "not with downpour.n_push or n_fetch above 1) and `p2p`"))] = 1
     outer_lr: Annotated[float, Meta(gt=0.0, description=(
         "the outer (Nesterov) step's lr on the mean pseudo-gradient of a round; downpour's PS shards apply each "
-        "replica's push as it comes, with outer_lr / n_replicas"))] = 0.7
-    outer_momentum: Annotated[float, Meta(ge=0.0, lt=1.0, description="the outer step's Nesterov momentum")] = 0.9
+        "replica's push as it comes, with outer_lr / n_replicas. Default 1 with outer_momentum 0: plain averaging "
+        "of the trainers' weights. DiLoCo's paper uses 0.7 and momentum 0.9, with AdamW inner steps and H in the "
+        "hundreds; measured here (p2p, 4 peers, Adagrad inner steps, mnist5k) 0.7/0.9 at H = 8 peaked at 75-79% "
+        "then fell to 36-48% where plain averaging reached 88.6% in 15 epochs"))] = 1.0
+    outer_momentum: Annotated[float, Meta(ge=0.0, lt=1.0, description=(
+        "the outer step's Nesterov momentum (DiLoCo's: 0.9; see outer_lr)"))] = 0.0
     fanout: Annotated[int, Meta(ge=0, description="peers each update goes to (gossip); 0: every peer")] = 0
     max_lag: Annotated[int, Meta(ge=1, description="a peer this many updates behind takes a dense copy")] = 16
 

@@ -211,8 +211,9 @@ class P2PSpec:
     """A peer missing more updates than this takes a dense copy from a neighbour."""
     local_steps: int = 1
     """H: inner optimizer steps between two updates; above 1 the updates are DiLoCo pseudo-gradients."""
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    """With ``outer_lr`` 1: plain averaging (``[sync]``'s defaults; DiLoCo's 0.7/0.9 cost accuracy here)."""
     warm: bool = False
     """Take a dense copy from a peer before the first step (a late joiner)."""
     tick_s: float = 0.25

@@ -230,12 +230,16 @@ class _P2PJob(DataParallelJob):
     async def _settled_stats(self) -> tuple[dict[str, dict[str, Any]], bool]:
         """Every live peer's stats once each ledger holds every update the live peers sent (or after SETTLE_S)."""
         deadline = time.monotonic() + SETTLE_S
+        before: dict[str, int] | None = None
         while True:
             self._tell_peers(changed=False)  # the runner's ticks have stopped: the membership goes on being told
             stats = await self._ask_stats()
             complete = _complete(stats)
-            if complete or time.monotonic() >= deadline:
+            sent = {s["origin"]: int(s["sent"]) for s in stats.values()}
+            # and nothing sent since the last ask: a peer may still take a step after StopTraining was told
+            if (complete and sent == before) or time.monotonic() >= deadline:
                 return stats, complete
+            before = sent
             await asyncio.sleep(0.2)
 
     async def record(self, report: RunReport) -> None:

@@ -567,7 +567,8 @@ class P2PSync:
         for _, _, update in self._pending:
             total += update
         # each pseudo-gradient weighs 1/N wherever it lands: every peer applies the same total whatever it groups
-        mean = (total / np.float32(max(len(self.members), 1 + len(self._pending)))).astype(np.float32)
+        # (dividing by the updates at hand instead gave a slow peer, holding many, a different total: copies apart)
+        mean = (total / np.float32(max(len(self.members), 1))).astype(np.float32)
         self._pending.clear()
         self._outer.step(self.w, -mean, out=self.w)  # the pseudo-gradient is minus the change
 
