@@ -260,8 +260,6 @@ class SyncConfig(Section, frozen=True):
 
     kind_only: ClassVar[dict[str, tuple[str, ...]]] = {"fanout": ("p2p",), "max_lag": ("p2p",)}
     """key -> the kinds it applies to (checked against the kind in force, written or the mode's default)."""
-    local_steps_modes: ClassVar[tuple[str, ...]] = ("downpour", "p2p")
-    """The modes whose trainers take local steps (the other modes reject ``local_steps`` and the outer keys)."""
 
     kind: Annotated[SyncName, Meta(description=(
         "`local` (each trainer steps its own optimizer, nothing shared), `ps` (push gradients to and pull "
@@ -422,7 +420,7 @@ def _check_sync(config: Config, raw: Mapping[str, Any]) -> None:
         if key in given and config.sync_kind not in applies:
             raise ConfigError(f"'sync.{key}' applies only when sync.kind is {' or '.join(map(repr, applies))} "
                               f"(it is {config.sync_kind!r})", f"sync.{key}")
-    modes = SyncConfig.local_steps_modes
+    modes = [name for name, mode in MODES.items() if mode.takes_local_steps]
     for key in ("local_steps", "outer_lr", "outer_momentum"):
         if key in given and config.mode not in modes:
             raise ConfigError(f"'sync.{key}' applies only in job.mode {' or '.join(map(repr, modes))} (it is "

@@ -181,6 +181,10 @@ class Mode(Protocol):
         """Whether the mode honours a ``[schedule]`` section (a growing batch size)."""
 
     @property
+    def takes_local_steps(self) -> bool:
+        """Whether its trainers honour ``[sync] local_steps`` (inner steps, then a pseudo-gradient and an outer step)."""
+
+    @property
     def regroups(self) -> bool:
         """Whether the mode honours a ``[regroup]`` section (moving layers between stages at run time)."""
 

@@ -64,6 +64,7 @@ class DataParallelMode:
 
     member_kind = "replica"
     regroups = False
+    takes_local_steps = False
 
     def restarts_workers(self, config: Config) -> bool:
         return True

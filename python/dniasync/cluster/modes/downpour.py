@@ -162,6 +162,7 @@ class _Downpour(DataParallelMode):
     shards_key = "downpour.n_replicas"
     worker_kind = "replica"
     schedules = True
+    takes_local_steps = True
 
     def data_shards(self, settings: DownpourConfig) -> int:
         return settings.n_replicas

@@ -312,6 +312,7 @@ def _complete(stats: Mapping[str, Mapping[str, Any]]) -> bool:
 def _write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    takes_local_steps = True
 
 
 def _collect(system: ActorSystem, jobs: Sequence[_P2PJob]) -> Iterator[Metric]:

@@ -154,6 +154,7 @@ class _Pipeline:
         if p.sg_fit_rows > batch:
             raise ConfigError(f"'pipeline.sg_fit_rows' is {p.sg_fit_rows}, more than data.batch_size = {batch}",
                               "pipeline.sg_fit_rows")
+    takes_local_steps = False
         opt, given = config.optimizer, raw.get("optimizer", {})
         if opt.clip_norm is not None:
             raise ConfigError("'optimizer.clip_norm' does not apply in mode 'pipeline'", "optimizer.clip_norm")
