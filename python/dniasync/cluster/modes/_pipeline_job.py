@@ -27,12 +27,14 @@ import numpy as np
 from ...actors import ActorError, ActorRef, Directive
 from ...train.data import DataCursor
 from ...train.messages import Params, Progress, Pull, Reshard, ShardSnapshot, SnapshotShard
-from ...train.specs import CodecSpec, OptimizerSpec, PSLinkSpec, ShardSpec, StagesSpec
+from ...train.specs import CodecSpec, OptimizerSpec, P2PSpec, PSLinkSpec, ShardSpec, StagesSpec
 from .._schema import ConfigError
 from ..mode_api import JobFailed, Snapshot
 from ..plan import data_spec, model_spec, optimizer_spec, schedule_spec
 from ..protocol import Assignment, JoinJob, NoJob, Ready
 from ..report import EVENT_BATCH_SIZE, RunReport
+from ._peers import ask_peer_stats, inbox_of, ledgers_complete, tell_peers
+from .p2p import SETTLE_S
 from ._pipeline_durable import PipelineDurability
 from .downpour import record_ps_stats
 
@@ -142,6 +144,9 @@ class PipelineJob:
         """Captures for checkpoints, and the rollback-restart of a pipeline whose stage died."""
         self.gone: set[str] = set()
         """Addresses of stages whose slot went to another worker (their process died, froze or was cut off)."""
+        self.p2p = config.sync_kind == "p2p"
+        """The replicas of each stage share its weights peer to peer (no PS shards)."""
+        self._peers_epoch = 0
 
     def stage_settings(self) -> dict[str, Any]:
         from ...train.pipeline import StageSettings
@@ -207,8 +212,59 @@ class PipelineJob:
         return Assignment(StagesSpec(
             self.model_spec, [list(g) for g in self.groups], groups, pipeline, self.p.replicas,
             self.stage_settings(), self.in_features, self.schedule.stage_mailbox_size(), ps,
-            self.p.n_fetch, self.p.n_push,
+            self.p.n_fetch, self.p.n_push, [self._p2p_spec(k) for k in groups] if self.p2p else [],
         ))
+
+    # -- p2p: the replicas of a stage are its peers -------------------------------------
+    def _p2p_spec(self, k: int) -> P2PSpec:
+        """Stage ``k``'s sync: the inboxes of its replicas placed so far (the rest are told as they come)."""
+        sync = self.config.sync
+        return P2PSpec(self._stage_inboxes(k), self._peers_epoch, "threshold", self.p.tau or 1e-3, sync.fanout,
+                       sync.max_lag)
+
+    def _stage_inboxes(self, k: int) -> list[ActorRef]:
+        return [inbox_of(self.runner.system, ref) for row in self.refs for ref in [row[k]] if ref is not None]
+
+    def _tell_stage_peers(self) -> None:
+        """Each stage's replicas, told their membership (again: an inbox starts with its stage's first batch)."""
+        for k in range(len(self.groups)):
+            tell_peers(self._stage_inboxes(k), self._peers_epoch)
+
+    async def _settled_peer_stats(self) -> tuple[list[list[dict[str, Any] | None]], bool]:
+        """Per stage, each pipeline's p2p counters once every ledger holds every update its peers sent (at most
+        :data:`~dniasync.cluster.modes.p2p.SETTLE_S`)."""
+        deadline = time.monotonic() + SETTLE_S
+        before: list[list[int]] | None = None
+        while True:
+            self._tell_stage_peers()
+            stats = [await ask_peer_stats(self._stage_inboxes(k)) for k in range(len(self.groups))]
+            complete = all(None not in row and ledgers_complete({s["origin"]: s for s in row if s is not None})
+                           for row in stats)
+            sent = [[int(s["sent"]) if s is not None else -1 for s in row] for row in stats]
+            # and nothing sent since the last ask: a stage may still apply a batch in flight after the stop
+            if (complete and sent == before) or time.monotonic() >= deadline:
+                return stats, complete
+            before = sent
+            await asyncio.sleep(0.2)
+
+    async def _record_p2p(self, report: RunReport) -> None:
+        """Per stage replica: updates and bytes sent, updates received and applied, and how many of each peer's
+        updates its copy holds (``..._p2p_has_pipeline<r>``: all of them once settled)."""
+        stats, complete = await self._settled_peer_stats()
+        report.set_metric("p2p_ledgers_complete", complete)
+        for k, row in enumerate(stats):
+            origins = {s["origin"]: r for r, s in enumerate(row) if s is not None}
+            for r, s in enumerate(row):
+                if s is None:
+                    continue
+                key, c = self._key(r, k), s["counters"]
+                report.set_metric(f"{key}_p2p_sent", int(s["sent"]))
+                report.set_metric(f"{key}_p2p_bytes_sent", int(c["bytes_sent"]))
+                for counter in ("received", "applied", "duplicate", "skipped", "resent", "dense_taken"):
+                    report.set_metric(f"{key}_p2p_{counter}", int(c[counter]))
+                for origin, count in s["ledger"].items():
+                    if origin in origins and origins[origin] != r:
+                        report.set_metric(f"{key}_p2p_has_pipeline{origins[origin]}", int(count))
 
     def vacate(self, r: int, k: int, reason: str) -> None:
         """Stage ``k`` of pipeline ``r`` is gone: its slot (every stage of its worker) goes to the next worker."""
@@ -232,6 +288,9 @@ class PipelineJob:
         pipeline, groups = self.slots[slot]
         for k, ref in zip(groups, ready.refs):
             self.refs[pipeline][k] = ref
+        if self.p2p:
+            self._peers_epoch += 1
+            self._tell_stage_peers()
         if not self.drivers and all(ref is not None for row in self.refs for ref in row):
             await self._start()
 
@@ -499,6 +558,8 @@ class PipelineJob:
         failure = self._failure()
         if failure is not None:
             raise failure
+        if self.p2p:  # at every tick, not every PEERS_REPEAT_S: an inbox starts with its stage's first batch, and
+            self._tell_stage_peers()  # the updates it sends before it knows its peers are repaired one by one
 
     def done(self) -> str | None:
         if self.tasks and all(task.done() for task in self.tasks):
@@ -683,6 +744,8 @@ class PipelineJob:
                     if math.isfinite(getattr(s, name)):
                         report.set_metric(f"{key}_{name}", getattr(s, name))
         await record_ps_stats(report, self.runner.ps)  # one shard per stage
+        if self.p2p:
+            await self._record_p2p(report)
         for key, value in self._sg_first.items():
             report.set_metric(f"{key}_sg_loss_first", value)
             report.set_metric(f"{key}_sg_loss_last", self._sg_last[key])
@@ -707,13 +770,17 @@ async def host_stages(host: Host, spec: StagesSpec) -> list[ActorRef]:
     for i, k in enumerate(spec.hosted):
         name = stage_name(spec.pipeline, k, spec.replicas)
         params = None
-        if spec.replicas > 1:  # the stage's replicas share its weights through its PS shard
+        peers = None
+        optimizer = OptimizerSpec(settings.optimizer, settings.lr, momentum=settings.momentum)
+        if spec.p2p:  # the stage's replicas send each other their updates: its sync is built with it, as its actor
+            peers = (spec.p2p[i], sync.SyncContext(name, time.time_ns() // 1000, optimizer, ask_timeout_s=30.0))
+        elif spec.replicas > 1:  # the stage's replicas share its weights through its PS shard
             link = PSLinkSpec([spec.ps[i]], [0], spec.n_fetch, spec.n_push)
-            optimizer = OptimizerSpec(settings.optimizer, settings.lr, momentum=settings.momentum)
             params = sync.build_sync(link, stages[k].layers, sync.SyncContext(
                 f"{name}@{host.system.node}", time.time_ns() // 1000, optimizer, ask_timeout_s=30.0))
         refs.append(await host.spawn(pipeline_module.Stage, *stages[k].args(), **stages[k].kwargs(), params=params,
-                                     name=name, mailbox_size=spec.mailbox_size, supervision=Directive.STOP))
+                                     sync=peers, name=name, mailbox_size=spec.mailbox_size,
+                                     supervision=Directive.STOP))
     log.info("hosting stages %s of pipeline %d", spec.hosted, spec.pipeline)
     return refs
 

@@ -59,6 +59,7 @@ from ..protocol import Ready
 from ..report import EVENT_REPLICA_JOINED
 from ..telemetry import P2P_CONSENSUS, P2P_JOB_PEERS
 from ._data_parallel import DataParallelJob, DataParallelMode, _Replica, host_replica
+from ._peers import ask_peer_stats, inbox_of, ledgers_complete, tell_peers
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -109,10 +110,8 @@ class _P2PJob(DataParallelJob):
 
     # -- membership ------------------------------------------------------------------------
     def _inbox(self, state: _Replica) -> ActorRef:
-        from ...train.sync.p2p import inbox_name
-
         assert state.ref is not None
-        return self.runner.system.ref(f"{inbox_name(state.ref.name)}@{state.ref.node}")
+        return inbox_of(self.runner.system, state.ref)
 
     def _live(self) -> list[tuple[str, _Replica]]:
         return [(n, r) for n, r in sorted(self.replicas.items()) if r.status == "alive" and r.ref is not None]
@@ -125,18 +124,10 @@ class _P2PJob(DataParallelJob):
                        warm=any(r.steps > 0 for _, r in live))
 
     def _tell_peers(self, *, changed: bool) -> None:
-        from ...train.sync.p2p import Peers
-
         if changed:
             self.epoch += 1
         self._told_at = time.monotonic()
-        inboxes = [self._inbox(r) for _, r in self._live()]
-        msg = Peers(self.epoch, inboxes)
-        for inbox in inboxes:
-            try:
-                inbox.tell_nowait(msg)
-            except ActorError as exc:
-                log.debug("membership not told to %s: %s", inbox, exc)
+        tell_peers([self._inbox(r) for _, r in self._live()], self.epoch)
 
     async def ready(self, ready: Ready) -> None:
         await super().ready(ready)
@@ -220,12 +211,9 @@ class _P2PJob(DataParallelJob):
 
     # -- ending ------------------------------------------------------------------------------
     async def _ask_stats(self) -> dict[str, dict[str, Any]]:
-        from ...train.sync.p2p import P2PStatsRequest
-
         live = self._live()
-        replies = await asyncio.gather(*(self._inbox(r).ask(P2PStatsRequest(), timeout=5.0) for _, r in live),
-                                       return_exceptions=True)
-        return {name: reply for (name, _), reply in zip(live, replies, strict=True) if isinstance(reply, dict)}
+        replies = await ask_peer_stats([self._inbox(r) for _, r in live])
+        return {name: reply for (name, _), reply in zip(live, replies, strict=True) if reply is not None}
 
     async def _settled_stats(self) -> tuple[dict[str, dict[str, Any]], bool]:
         """Every live peer's stats once each ledger holds every update the live peers sent (or after SETTLE_S)."""
@@ -234,7 +222,7 @@ class _P2PJob(DataParallelJob):
         while True:
             self._tell_peers(changed=False)  # the runner's ticks have stopped: the membership goes on being told
             stats = await self._ask_stats()
-            complete = _complete(stats)
+            complete = ledgers_complete(stats)
             sent = {s["origin"]: int(s["sent"]) for s in stats.values()}
             # and nothing sent since the last ask: a peer may still take a step after StopTraining was told
             if (complete and sent == before) or time.monotonic() >= deadline:
@@ -302,17 +290,9 @@ def consensus_distance(copies: Sequence[np.ndarray]) -> dict[str, float]:
     return {"max": max(distances), "mean": sum(distances) / len(distances)}
 
 
-def _complete(stats: Mapping[str, Mapping[str, Any]]) -> bool:
-    """Every peer's ledger holds each other peer's every update, contiguously."""
-    sent = {s["origin"]: int(s["sent"]) for s in stats.values()}
-    return all(s["complete"].get(origin, 0) >= count for s in stats.values() for origin, count in sent.items()
-               if origin != s["origin"])
-
-
 def _write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n", encoding="utf-8")
-    takes_local_steps = True
 
 
 def _collect(system: ActorSystem, jobs: Sequence[_P2PJob]) -> Iterator[Metric]:
@@ -332,6 +312,7 @@ class _P2P(DataParallelMode):
     shards_key = "p2p.n_peers"
     worker_kind = "peer"
     schedules = True
+    takes_local_steps = True
 
     def data_shards(self, settings: P2PConfig) -> int:
         return settings.n_peers

@@ -7,7 +7,9 @@ cDNI: synthetic gradients; ``sync``: the synchronous GPipe-style baseline;
 ``async``, ``stash``, ``spectrain``: asynchronous 1F1B pipelines with real
 gradients). With ``replicas = 1`` (``sync.kind = "local"``) each stage trains with ``[optimizer]``
 locally (``adam``, ``sgd`` or ``momentum``; ``lr`` and ``momentum`` only); with ``replicas > 1`` and the ``ps`` sync
-(DNI x Downpour, the default) every stage has one PS shard that applies ``[optimizer]`` to the pushes of its replicas.
+(DNI x Downpour, the default) every stage has one PS shard that applies ``[optimizer]`` to the pushes of its replicas;
+with ``replicas > 1`` and the ``p2p`` sync (DNI x p2p) there is no PS: each stage replica steps its own optimizer and
+sends its ``tau``-quantized updates to the stage's other replicas, applying its own and theirs.
 """
 
 from __future__ import annotations
@@ -83,9 +85,14 @@ class PipelineConfig(Section, frozen=True):
     lr_decay_final: Annotated[float, Meta(ge=0.0, le=1.0, description=(
         "the lr at the end, as a fraction of the configured one"))] = 0.0
     replicas: Annotated[int, Meta(ge=1, description=(
-        "pipelines, each on its own data shard; more than one is DNI x Downpour"))] = 1
+        "pipelines, each on its own data shard; more than one is DNI x Downpour (sync.kind `ps`: a PS shard per "
+        "stage) or DNI x p2p (sync.kind `p2p`: a stage's replicas send each other their updates)"))] = 1
     n_fetch: Annotated[int, Meta(ge=1, description="with PS shards: a stage pulls its parameters every n_fetch steps")] = 1
     n_push: Annotated[int, Meta(ge=1, description="with PS shards: ... and pushes its gradient every n_push steps")] = 1
+    tau: Annotated[float, Meta(gt=0.0, description=(
+        "with sync.kind `p2p` (required there): the threshold of the stage replicas' quantized updates, in weight "
+        "units (+-tau per element whose accumulated change reached tau, the rest kept in the sender's residual)"))
+    ] | None = None
     placement: Annotated[tuple[int, ...], Meta(description=(
         "the worker (0, 1, ...) hosting each stage of a pipeline (default one worker per stage); every worker from 0 "
         "to the largest must host a stage. Worker processes: (largest + 1) x replicas"))] | None = None
@@ -123,6 +130,23 @@ class PipelineConfig(Section, frozen=True):
         return self.workers_per_pipeline * self.replicas
 
 
+def _check_p2p(config: Config) -> None:
+    """What stage replicas sharing peer to peer cannot do: their layers stay put, a stage steps a ParamStore."""
+    p: PipelineConfig = config.settings
+    if p.tau is None:
+        raise ConfigError("missing required key 'pipeline.tau' (the threshold of the stages' updates, sync.kind "
+                          "'p2p')", "pipeline.tau")
+    if config.regroup.enabled:
+        raise ConfigError("'regroup.enabled' does not apply with sync.kind 'p2p': a stage's layers never move "
+                          "between its peers' copies", "regroup.enabled")
+    if p.method.startswith("spectrain"):
+        raise ConfigError("'pipeline.method' spectrain predicts from a torch optimizer's state; with sync.kind "
+                          "'p2p' a stage steps a ParamStore", "pipeline.method")
+    if config.sync.fanout > 0 and config.sync.fanout >= p.replicas:
+        raise ConfigError(f"'sync.fanout' is {config.sync.fanout}, but a stage has only {p.replicas - 1} other "
+                          "replicas: use 0 (every one)", "sync.fanout")
+
+
 class _Pipeline:
     name = "pipeline"
     settings = PipelineConfig
@@ -131,6 +155,7 @@ class _Pipeline:
     member_kind = "stage"
     schedules = True
     regroups = True
+    takes_local_steps = False
 
     def data_shards(self, settings: PipelineConfig) -> int:
         return settings.replicas
@@ -154,16 +179,17 @@ class _Pipeline:
         if p.sg_fit_rows > batch:
             raise ConfigError(f"'pipeline.sg_fit_rows' is {p.sg_fit_rows}, more than data.batch_size = {batch}",
                               "pipeline.sg_fit_rows")
-    takes_local_steps = False
         opt, given = config.optimizer, raw.get("optimizer", {})
         if opt.clip_norm is not None:
             raise ConfigError("'optimizer.clip_norm' does not apply in mode 'pipeline'", "optimizer.clip_norm")
         if config.regroup.enabled and len(p.groups) < 2:
             raise ConfigError("'regroup.enabled' needs at least 2 stages in pipeline.groups", "regroup.enabled")
         kind = config.sync_kind
+        if "tau" in raw.get("pipeline", {}) and kind != "p2p":
+            raise ConfigError(f"'pipeline.tau' applies only with sync.kind 'p2p'; sync.kind is {kind!r}",
+                              "pipeline.tau")
         if kind == "p2p":
-            raise ConfigError("'sync.kind' 'p2p' is not wired into pipeline stages yet (they link to PS shards or "
-                              "train alone); use 'ps' for replicated pipelines", "sync.kind")
+            _check_p2p(config)
         if not config.sync_needs_ps:
             for key in ("n_fetch", "n_push"):
                 if key in raw.get("pipeline", {}):

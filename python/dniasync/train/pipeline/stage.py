@@ -69,7 +69,8 @@ class Stage(Actor):
 
     Spawned with its layers, the pipeline's settings and its shape (see
     :func:`~dniasync.train.pipeline.cut.build_stages`); ``rule`` defaults to
-    the one ``settings.rule`` names, ``params`` to a local optimizer. Handles
+    the one ``settings.rule`` names, ``params`` to the sync ``sync`` (a spec and
+    its context, built with this stage as the owning actor) or a local optimizer. Handles
     :class:`Forward`, :class:`Gradient`, :class:`RawInput` (tells) and
     :class:`EvalForward`, :class:`StatsRequest`, :class:`StateRequest`,
     :class:`TraceRequest` (asks). Torch work runs on the system's blocking
@@ -103,6 +104,7 @@ class Stage(Actor):
         *,
         rule: UpdateRule | None = None,
         params: WeightSync | None = None,
+        sync: tuple[object, SyncContext] | None = None,
         spare: Sequence[nn.Module] | None = None,
         first_layer: int = 0,
     ) -> None:
@@ -119,11 +121,12 @@ class Stage(Actor):
         self.rule = rule if rule is not None else make_rule(settings, shape)
         if self.rule.urgent_gradients:
             self.urgent_messages = (Gradient,)
-        self.params: WeightSync = params if params is not None else build_sync(
-            LocalSpec(), layers,
-            SyncContext(f"stage-{shape.index}", time.time_ns() // 1000,
-                        OptimizerSpec(settings.optimizer, settings.lr, momentum=settings.momentum), actor=self),
-        )
+        if params is None:  # a sync built here gets this stage as its actor (p2p's inbox is a child of it)
+            spec, ctx = sync if sync is not None else (LocalSpec(), SyncContext(
+                f"stage-{shape.index}", time.time_ns() // 1000,
+                OptimizerSpec(settings.optimizer, settings.lr, momentum=settings.momentum)))
+            params = build_sync(spec, layers, dataclasses.replace(ctx, actor=self))
+        self.params: WeightSync = params
         self.sg = self.rule.sg
         self.upstream: ActorRef | None = None
         self.downstream: ActorRef | None = None
