@@ -133,6 +133,29 @@ def overview() -> dict[str, Any]:
             [target(f"sum(dniasync_sandblaster_command_bytes_total{{{SEL}}}) / "
                     f"clamp_min(sum(dniasync_sandblaster_iterations_total{{{SEL}}}), 1)", "bytes/iteration")],
             unit="decbytes", w=4)
+    d.row("Peer to peer")
+    d.panel("timeseries", "P2P bytes/s per peer", "Payload bytes of peer-to-peer updates and dense copies each "
+            "peer sends and receives per second.",
+            [target(f"sum by (instance) (rate(dniasync_p2p_bytes_total{{{SEL}, direction=\"sent\"}}[{RI}]))",
+                    "sent {{instance}}"),
+             target(f"sum by (instance) (rate(dniasync_p2p_bytes_total{{{SEL}, direction=\"received\"}}[{RI}]))",
+                    "received {{instance}}")], unit="Bps", w=6)
+    d.panel("timeseries", "P2P updates/s", "Updates each peer applies to its shared copy per second (its own and "
+            "its peers'), and the updates sent, received and received again across the job.",
+            [target(f"sum by (instance) (rate(dniasync_p2p_updates_total{{{SEL}, event=\"applied\"}}[{RI}]))",
+                    "applied {{instance}}"),
+             target(f"sum by (event) (rate(dniasync_p2p_updates_total{{{SEL}, "
+                    f"event=~\"sent|received|duplicate\"}}[{RI}]))", "{{event}}")], unit="ops", w=6)
+    d.panel("timeseries", "P2P peers alive and lag", "Peers in each peer's view of the membership (itself "
+            "included), peers the coordinator considers alive, and the most updates a peer's shared copy lacks.",
+            [target(f"dniasync_p2p_peers_alive{{{SEL}}}", "view of {{instance}}"),
+             target(f"max(dniasync_p2p_job_peers_alive{{{SEL}}})", "coordinator"),
+             target(f"max(dniasync_p2p_lag_updates{{{SEL}}})", "max lag (updates)")], w=6)
+    d.panel("timeseries", "P2P consensus distance", "Max and mean over the live peers of |w_i - mean w| / |mean w| "
+            "at each evaluation (count-sketch estimate): how far the peers' shared copies drift apart.",
+            [target(f"max(dniasync_p2p_consensus_distance_ratio{{{SEL}, stat=\"max\"}})", "max"),
+             target(f"max(dniasync_p2p_consensus_distance_ratio{{{SEL}, stat=\"mean\"}})", "mean")],
+            unit="percentunit", w=6)
     d.row("Async health")
     d.panel("heatmap", "Staleness heatmap", "PS version gap of each push (versions), per interval.",
             [target(f"sum by (le) (increase(dniasync_ps_staleness_versions_bucket{{{SEL}}}[{RI}]))", "{{le}}",

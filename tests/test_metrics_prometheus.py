@@ -2,8 +2,9 @@
 
 A ``--role local`` Downpour job (coordinator, 2 PS shards, 2 replicas: the
 launcher's file-SD targets file), a ``--role local`` Sandblaster job (the same
-five roles; its L-BFGS panels) and a node hosting DNI stages (a third
-targets file) are scraped every second; once every node is ``up``,
+five roles; its L-BFGS panels), a ``--role local`` peer-to-peer job
+(coordinator, 2 peers; its p2p panels) and a node hosting DNI stages (a
+fourth targets file) are scraped every second; once every node is ``up``,
 each panel query of both dashboards (template variables substituted) must
 succeed and return data. ``promtool`` checks each node's exposition.
 """
@@ -38,6 +39,13 @@ max_seconds = {max_seconds}
 [eval]
 every_seconds = 0.5
 """
+P2P_JOB = JOB.replace('mode = "downpour"', 'mode = "p2p"').replace(
+    JOB[JOB.index("[downpour]"):JOB.index("[stop]")], """[p2p]
+n_peers = 2
+codec = "threshold"
+tau = 0.001
+
+""")
 RATE_INTERVAL = "10s"
 DEADLINE_S = 60.0
 
@@ -77,22 +85,23 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Promethe
     tmp = tmp_path_factory.mktemp("prometheus")
     cluster = LocalCluster(tmp, "metrics-job")
     sandblaster = LocalCluster(tmp, "metrics-sandblaster", job=SANDBLASTER_JOB)
+    p2p = LocalCluster(tmp, "metrics-p2p", job=P2P_JOB)
     dni: DNINode | None = None
     prometheus: Prometheus | None = None
     try:
         dni = DNINode(tmp)
         dni_targets = tmp / "dni_targets.json"
         dni_targets.write_text(json.dumps([{"targets": [dni.address], "labels": {"cluster": "dni"}}]))
-        prometheus = Prometheus(tmp, [cluster.targets_file, sandblaster.targets_file, dni_targets])
+        prometheus = Prometheus(tmp, [cluster.targets_file, sandblaster.targets_file, p2p.targets_file, dni_targets])
         prometheus.wait_ready()
-        nodes = cluster.wait_targets(5) + sandblaster.wait_targets(5) + [dni.address]
+        nodes = cluster.wait_targets(5) + sandblaster.wait_targets(5) + p2p.wait_targets(3) + [dni.address]
         deadline = time.monotonic() + DEADLINE_S
         while True:
             up = {r["metric"]["instance"]: r["value"][1] for r in prometheus.query('up{job="dniasync"}')}
             if all(up.get(node) == "1" for node in nodes):
                 break
             assert time.monotonic() < deadline, (f"not every node is up: {up} (want {nodes})\n{cluster.output()}\n"
-                                                 f"{sandblaster.output()}")
+                                                 f"{sandblaster.output()}\n{p2p.output()}")
             time.sleep(0.5)
         yield prometheus, nodes
     finally:
@@ -100,6 +109,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Promethe
             prometheus.stop()
         if dni is not None:
             dni.stop()
+        p2p.stop()
         sandblaster.stop()
         cluster.stop()
 
@@ -146,7 +156,7 @@ def test_every_panel_query_returns_data(scraped: tuple[Prometheus, list[str]]) -
     assert {r["metric"]["stage"] for r in stages} == {"stage-0", "stage-1", "stage-2"}
     roles = next(r for (_, t, _), r in results.items() if t == "Members up by role")
     assert {r["metric"]["role"]: float(r["value"][1]) for r in roles} == {
-        "coordinator": 2, "ps": 4, "worker": 4, "dni": 1}
+        "coordinator": 3, "ps": 4, "worker": 6, "dni": 1}
     print(f"{len(results)} dashboard queries returned data")
 
 
