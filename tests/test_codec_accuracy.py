@@ -32,15 +32,13 @@ bytes pushed), so it is held against the same pushes with every pull dense
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from _jobs import run_job
 from dniasync.train.compression import AUTO_DELTA_TAU_FRACTION, DeltaCodec
 
 JOB = """
@@ -84,14 +82,8 @@ MARGIN = 0.03
 """How far under the uncompressed run's held-out accuracy a compressed run may end."""
 
 
-def run_job(tmp_path: Path, name: str, codec: str) -> dict[str, Any]:
-    out = tmp_path / name
-    config = tmp_path / f"{name}.toml"
-    config.write_text(JOB.format(name=name, out=out, codec=codec))
-    proc = subprocess.run([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
-                          capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc: dict[str, Any] = json.loads((out / "summary.json").read_text())
+def run_codec_job(tmp_path: Path, name: str, codec: str) -> dict[str, Any]:
+    doc, _ = run_job(tmp_path, name, JOB, codec=codec)
     assert doc["stop_reason"] == "trained 10 epochs", doc["stop_reason"]
     return doc
 
@@ -110,7 +102,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     def run(kind: str) -> dict[str, Any]:
         if kind not in done:
-            done[kind] = run_job(tmp_path_factory.mktemp("reference"), "reference", REFERENCES[kind])
+            done[kind] = run_codec_job(tmp_path_factory.mktemp("reference"), "reference", REFERENCES[kind])
         return done[kind]
     return run
 
@@ -118,7 +110,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.mark.parametrize(("tau", "against"), [(0.01, "none"), (0.05, "none"), (0.2, "dense pulls, tau 0.2")])
 def test_threshold_both_ways_keeps_the_accuracy_of_dense_pulls_with_fewer_bytes(
         tmp_path: Path, reference: Any, tau: float, against: str) -> None:
-    doc = run_job(tmp_path, f"threshold_{tau}", f'codec = "threshold"\ntau = {tau}')
+    doc = run_codec_job(tmp_path, f"threshold_{tau}", f'codec = "threshold"\ntau = {tau}')
     ref = reference(against)
     assert doc["final_accuracy"] >= ref["final_accuracy"] - MARGIN, (
         f"tau {tau}: {doc['final_accuracy']} against {ref['final_accuracy']} ({against})")

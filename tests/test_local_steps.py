@@ -19,11 +19,10 @@ has 8: 31.25 on average).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
+
+from _jobs import run_job
 
 JOB = """
 [job]
@@ -67,15 +66,8 @@ MARGIN = 0.03
 """How far under plain Downpour's held-out accuracy the local-steps run may end."""
 
 
-def run_job(tmp_path: Path, local_steps: int) -> dict[str, Any]:
-    name = f"local_steps_{local_steps}"
-    out = tmp_path / name
-    config = tmp_path / f"{name}.toml"
-    config.write_text(JOB.format(name=name, out=out, local_steps=local_steps))
-    proc = subprocess.run([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
-                          capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc: dict[str, Any] = json.loads((out / "summary.json").read_text())
+def run_local_steps_job(tmp_path: Path, local_steps: int) -> dict[str, Any]:
+    doc, proc = run_job(tmp_path, f"local_steps_{local_steps}", JOB, local_steps=local_steps)
     assert doc["stop_reason"] == "trained 5 epochs", doc["stop_reason"]
     if local_steps > 1:
         assert f"local steps        {local_steps} (inner adagrad lr 0.05; outer nesterov lr 1 / 4" in proc.stdout
@@ -83,7 +75,7 @@ def run_job(tmp_path: Path, local_steps: int) -> dict[str, Any]:
 
 
 def test_local_steps_push_a_quarter_as_often_and_keep_the_accuracy(tmp_path: Path) -> None:
-    plain, local = run_job(tmp_path, 1), run_job(tmp_path, 4)
+    plain, local = run_local_steps_job(tmp_path, 1), run_local_steps_job(tmp_path, 4)
     assert local["final_accuracy"] >= plain["final_accuracy"] - MARGIN, (local["final_accuracy"],
                                                                           plain["final_accuracy"])
     for doc, steps in ((plain, 1), (local, 4)):

@@ -24,6 +24,7 @@ import pytest
 import torch
 from torch import nn
 
+from _jobs import run_job, summary, write_job
 from dniasync import Actor, ActorSystem
 from dniasync.train.specs import OptimizerSpec, P2PSpec
 from dniasync.train.sync import SyncContext
@@ -276,18 +277,6 @@ every_seconds = 0.5
 """
 
 
-def _write(tmp_path: Path, name: str, template: str, **fields: Any) -> tuple[Path, Path]:
-    out = tmp_path / name
-    config = tmp_path / f"{name}.toml"
-    config.write_text(template.format(name=name, out=out, **fields))
-    return config, out
-
-
-def _summary(out: Path) -> dict[str, Any]:
-    doc: dict[str, Any] = json.loads((out / "summary.json").read_text())
-    return doc
-
-
 def _peer_names(doc: dict[str, Any]) -> list[str]:
     return sorted({k.split("/")[1] for k in doc["metrics"] if k.startswith("p2p/") and k.endswith("/sent")})
 
@@ -302,11 +291,7 @@ def _assert_ledgers_complete(doc: dict[str, Any], peers: list[str]) -> None:
 
 
 def test_four_peers_reach_92_percent_on_mnist_and_their_copies_stay_close(tmp_path: Path) -> None:
-    config, out = _write(tmp_path, "p2p4", MNIST)
-    proc = subprocess.run([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = _summary(out)
+    doc, _ = run_job(tmp_path, "p2p4", MNIST, timeout=600)
     # no time limit in the job: a loaded machine takes longer, it does not get fewer epochs. 0.92 was reached at 9
     # and 13.5 epochs when measured; the job stops there (an evaluation every 0.5 s) or fails at 25
     assert doc["stop_reason"] == "reached target accuracy 0.92", (doc["stop_reason"], doc["history"])
@@ -322,7 +307,7 @@ def test_four_peers_reach_92_percent_on_mnist_and_their_copies_stay_close(tmp_pa
     # <= 0.03 from the second epoch on, 0 to 4 decimals most of the time. The bound, 0.25, is 8x that: a peer
     # max_lag = 16 updates behind is ~0.05 away (16 x tau x sqrt(elements coded)) / |w|), so 0.25 means copies
     # that broke apart, not a slow machine.
-    series = json.loads((out / "consensus.json").read_text())
+    series = json.loads((tmp_path / "p2p4" / "consensus.json").read_text())
     later = [c for c in series if c["samples"] >= 4000]  # from the second epoch on
     assert later, series
     assert max(c["max"] for c in later) < 0.25, later
@@ -378,12 +363,8 @@ gap, and far less than a broken outer step costs (36-48% at H = 8 with 0.7/0.9).
 
 
 def _local_steps_job(tmp_path: Path, local_steps: int) -> dict[str, Any]:
-    config, out = _write(tmp_path, f"h{local_steps}", LOCAL_STEPS, seed=0, local_steps=local_steps,
-                         epochs=LOCAL_STEPS_EPOCHS)
-    proc = subprocess.run([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = _summary(out)
+    doc, _ = run_job(tmp_path, f"h{local_steps}", LOCAL_STEPS, timeout=600, seed=0, local_steps=local_steps,
+                     epochs=LOCAL_STEPS_EPOCHS)
     assert doc["stop_reason"] == f"trained {LOCAL_STEPS_EPOCHS} epochs", doc["stop_reason"]
     return doc
 
@@ -413,11 +394,7 @@ def test_local_steps_with_the_default_outer_step_keep_the_accuracy_with_a_quarte
 
 
 def test_with_fanout_1_every_update_reaches_every_peer(tmp_path: Path) -> None:
-    config, out = _write(tmp_path, "fan1", DIGITS, peers=4, fanout=1, epochs=8, seconds=120)
-    proc = subprocess.run([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = _summary(out)
+    doc, _ = run_job(tmp_path, "fan1", DIGITS, timeout=600, peers=4, fanout=1, epochs=8, seconds=120)
     m = doc["metrics"]
     peers = _peer_names(doc)
     assert len(peers) == 4
@@ -478,7 +455,7 @@ class _Cluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not (self.out / "summary.json").exists():
             time.sleep(0.2)
-        return _summary(self.out)
+        return summary(self.out)
 
     def stop(self) -> None:
         for proc in self.procs.values():
@@ -493,7 +470,7 @@ class _Cluster:
 
 
 def test_a_killed_peer_is_named_and_the_others_finish(tmp_path: Path) -> None:
-    config, out = _write(tmp_path, "kill", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=20)
+    config, out = write_job(tmp_path, "kill", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=20)
     cluster = _Cluster(tmp_path, config, out)
     try:
         for name in ("w0", "w1", "w2"):
@@ -519,7 +496,7 @@ def test_a_killed_peer_is_named_and_the_others_finish(tmp_path: Path) -> None:
 
 
 def test_a_late_peer_starts_from_a_neighbours_copy_and_reaches_the_others(tmp_path: Path) -> None:
-    config, out = _write(tmp_path, "late", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=25)
+    config, out = write_job(tmp_path, "late", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=25)
     cluster = _Cluster(tmp_path, config, out)
     try:
         cluster.worker("w0")
@@ -542,7 +519,7 @@ def test_a_late_peer_starts_from_a_neighbours_copy_and_reaches_the_others(tmp_pa
 
 
 def test_a_peer_frozen_for_10_s_does_not_stop_the_others_and_catches_up(tmp_path: Path) -> None:
-    config, out = _write(tmp_path, "freeze", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=30)
+    config, out = write_job(tmp_path, "freeze", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=30)
     cluster = _Cluster(tmp_path, config, out)
     try:
         for name in ("w0", "w1", "w2"):

@@ -11,10 +11,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from _jobs import launch, summary
 from dniasync import ActorSystem
 from dniasync.cluster.config import parse_config
 from dniasync.cluster.hosts import Host
@@ -72,18 +72,6 @@ def write_job(tmp_path: Path, name: str, mode: str = "downpour", *, epochs: int 
     path = tmp_path / f"{name}.toml"
     path.write_text(text)
     return path, out
-
-
-def launch(config: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
-        capture_output=True, text=True, timeout=timeout,
-    )
-
-
-def summary(out: Path) -> dict[str, Any]:
-    doc: dict[str, Any] = json.loads((out / "summary.json").read_text())
-    return doc
 
 
 def test_downpour_with_threshold_codec_trains_digits_across_processes(tmp_path: Path) -> None:
