@@ -153,9 +153,11 @@ def test_the_pipeline_sync_follows_its_replicas() -> None:
     with pytest.raises(ConfigError, match="'sync.kind' is 'ps'; mode 'pipeline', as configured, runs with 'local'") as err:
         parse_config(with_(base(), "sync.kind", "ps"))
     assert err.value.key == "sync.kind"
-    with pytest.raises(ConfigError, match="'p2p' is not wired into pipeline stages yet") as err:
+    with pytest.raises(ConfigError, match="missing required key 'pipeline.tau'") as err:  # p2p codes with a threshold
         parse_config(with_(replicated, "sync.kind", "p2p"))
-    assert err.value.key == "sync.kind"
+    assert err.value.key == "pipeline.tau"
+    gossip = parse_config(with_(with_(replicated, "sync.kind", "p2p"), "pipeline.tau", 5e-4))
+    assert (gossip.sync_kind, gossip.sync_needs_ps) == ("p2p", False)
     with pytest.raises(ConfigError, match="'pipeline.lr_decay' does not apply with sync.kind 'ps'") as err:
         parse_config(with_(replicated, "pipeline.lr_decay", "linear"))
     assert err.value.key == "pipeline.lr_decay"
