@@ -258,8 +258,7 @@ that registry imports torch and parsing a config must not (``tests/test_config.p
 class SyncConfig(Section, frozen=True):
     """How the trainers share their weights, and the outer optimizer of local steps (DiLoCo)."""
 
-    kind_only: ClassVar[dict[str, tuple[str, ...]]] = {"fanout": ("p2p",), "max_lag": ("p2p",),
-                                                          "max_in_flight": ("p2p",)}
+    kind_only: ClassVar[dict[str, tuple[str, ...]]] = {"fanout": ("p2p",), "max_lag": ("p2p",)}
     """key -> the kinds it applies to (checked against the kind in force, written or the mode's default)."""
 
     kind: Annotated[SyncName, Meta(description=(
@@ -282,10 +281,6 @@ class SyncConfig(Section, frozen=True):
         "the outer step's Nesterov momentum (DiLoCo's: 0.9; see outer_lr)"))] = 0.0
     fanout: Annotated[int, Meta(ge=0, description="peers each update goes to (gossip); 0: every peer")] = 0
     max_lag: Annotated[int, Meta(ge=1, description="a peer this many updates behind takes a dense copy")] = 16
-    max_in_flight: Annotated[int, Meta(ge=0, description=(
-        "flow control: a peer sends a new update only while fewer than this many of its updates are "
-        "unacknowledged by each live peer it sends to first; otherwise it trains on and sends the accumulated "
-        "change when acks return (nothing is dropped); 0: no limit"))] = 16
 
 
 _COMMON: Final[dict[str, type[Section]]] = {

@@ -222,9 +222,6 @@ class P2PSpec:
     """No updates are sent to a peer nothing was heard from for this long."""
     keep_bytes: int = 32 << 20
     """Payload bytes of its own latest updates a peer keeps, to resend them and to re-apply them after a dense copy."""
-    max_in_flight: int = 16
-    """Flow control: a peer sends a new update only while fewer of its updates than this are unacknowledged by each
-    live peer it sends to first (otherwise it trains on and sends the accumulated change later); 0: no limit."""
 
 
 @message("dniasync.train.ReplicaSpec")

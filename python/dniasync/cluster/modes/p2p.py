@@ -121,7 +121,7 @@ class _P2PJob(DataParallelJob):
         s, sync = self.settings, self.config.sync
         return P2PSpec([self._inbox(r) for _, r in live], self.epoch, s.codec, s.tau or 1e-3, sync.fanout,
                        sync.max_lag, sync.local_steps, sync.outer_lr, sync.outer_momentum,
-                       warm=any(r.steps > 0 for _, r in live), max_in_flight=sync.max_in_flight)
+                       warm=any(r.steps > 0 for _, r in live))
 
     def _tell_peers(self, *, changed: bool) -> None:
         if changed:
@@ -246,7 +246,7 @@ class _P2PJob(DataParallelJob):
             report.set_metric(f"p2p/{name}/sent", int(s["sent"]))
             report.set_metric(f"p2p/{name}/steps", int(s["steps"]))
             for counter in ("dense_taken", "dense_given", "received", "duplicate", "forwarded", "skipped",
-                            "resends_asked", "resent", "lost_own", "held"):
+                            "resends_asked", "resent", "lost_own"):
                 report.set_metric(f"p2p/{name}/{counter}", int(s["counters"][counter]))
             for origin, count in s["ledger"].items():
                 if origin in origins:

@@ -37,19 +37,6 @@ out:
   drops the update, counted), and nothing is sent to a peer silent for
   ``silent_s`` (it catches up through its ledger once back).
 
-Flow control (credit): a peer codes and sends a new update only while fewer
-than ``max_in_flight`` of its updates are in flight to each live peer it sends
-to first (every peer; with fanout, its children in its own tree): sent minus
-the count that peer acknowledged holding. Acks: a peer receiving an update
-straight from its origin answers with an :class:`Ack` (its count of that
-origin's updates), and every :class:`Ledger` carries the sender's counts of
-every origin (a lost ack, a resend or a dense copy is acknowledged within a
-tick). Without credit the peer keeps training: the change stays in its local
-weights (``local - base`` grows, nothing is coded, dropped or applied) and is
-coded, as one update, at the first step with credit again. A peer silent for
-``silent_s`` (or out of the membership) holds no credit. ``max_in_flight = 0``:
-no flow control.
-
 A joining peer (``P2PSpec.warm``) takes a dense copy before its first step.
 The membership is the job runner's (:class:`Peers`), plus any peer heard
 from directly that the runner has not taken out (a peer whose inbox was not
@@ -94,7 +81,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "P2P_SEGMENT",
-    "Ack",
     "DenseCopy",
     "DenseRequest",
     "Ledger",
@@ -150,22 +136,10 @@ class Peers:
 @message("dniasync.train.sync.p2p.Ledger")
 @dataclass(frozen=True)
 class Ledger:
-    """Periodic, to every peer: ``origin`` has sent ``sent`` updates (and is alive); ``have``: its count per origin."""
+    """Periodic, to every peer: ``origin`` has sent ``sent`` updates (and is alive)."""
 
     origin: str
     sent: int
-    have: dict[str, int] = field(default_factory=dict)
-    """origin -> how many of its updates the sender's shared copy holds (the acks of flow control)."""
-
-
-@message("dniasync.train.sync.p2p.Ack")
-@dataclass(frozen=True)
-class Ack:
-    """To an origin, from a peer it sent an update to directly: ``peer`` holds ``count`` of ``origin``'s updates."""
-
-    origin: str
-    peer: str
-    count: int
 
 
 @message("dniasync.train.sync.p2p.Resend")
@@ -299,9 +273,6 @@ class _Counters:
     bytes_received: int = 0
     dense_bytes_sent: int = 0
     """What the own updates sent would take as float32."""
-    held: int = 0
-    """Steps at which an update was due but held back for want of credit (the change kept accumulating)."""
-    acks: int = 0
 
 
 # -- the sync ------------------------------------------------------------------------------
@@ -313,8 +284,8 @@ class P2PSync:
     def __init__(self, spec: P2PSpec, model: nn.Module, ctx: SyncContext) -> None:
         if spec.codec not in ("threshold", "none"):
             raise ValueError(f"p2p codec must be 'threshold' or 'none', got {spec.codec!r}")
-        if spec.local_steps < 1 or spec.max_lag < 1 or spec.fanout < 0 or spec.max_in_flight < 0:
-            raise ValueError("p2p needs local_steps >= 1, max_lag >= 1, fanout >= 0 and max_in_flight >= 0")
+        if spec.local_steps < 1 or spec.max_lag < 1 or spec.fanout < 0:
+            raise ValueError("p2p needs local_steps >= 1, max_lag >= 1 and fanout >= 0")
         self.spec = spec
         self.ctx = ctx
         init = flatten_parameters(model)
@@ -359,12 +330,6 @@ class P2PSync:
         """(origin, seq) -> resends asked for it so far."""
         self._missing_before: set[tuple[str, int]] = set()
         self._last_copy = -1e9
-        self.acked: dict[str, int] = {}
-        """peer address -> the count of this peer's updates it acknowledged holding (flow control)."""
-        self._spoke: set[str] = set()
-        """Peers a message came from: only they hold credit (one not up yet would hold it until found silent)."""
-        self.credit = True
-        """May the next due update be coded and sent (set on the loop, read by :meth:`step` on the worker thread)."""
         self._sketcher: CountSketch | None = None
         """Built at the first :class:`SketchRequest` and kept: the job asks with the same seed and k every time."""
         self.inbox: ActorRef | None = None
@@ -393,15 +358,12 @@ class P2PSync:
         self.steps += 1
         self.inner += 1
         if self.inner >= self.spec.local_steps:
-            if not self.credit:  # too many in flight to a live peer: keep training, the change keeps accumulating
-                self.counters.held += 1
-                return
             self.inner = 0
             change = self.store.view(P2P_SEGMENT) - self.base
             self._coded.append(self.codec.compress(change))  # the residual stays in the codec
 
     def steps_per_call(self, steps: int) -> int:
-        return max(1, self.spec.local_steps - self.inner)  # held for credit: one step at a time, credit checked
+        return self.spec.local_steps - self.inner
 
     async def ready(self) -> None:
         if not self._started:
@@ -428,7 +390,6 @@ class P2PSync:
             else:
                 self._outer_step(self._decode(compressed.codec, payload))
                 self._mark(self.origin, self.seq)
-        self._update_credit()
         self._restart_local()
 
     def _keep(self, seq: int, codec: str, payload: np.ndarray) -> None:
@@ -469,8 +430,7 @@ class P2PSync:
     def stats(self) -> SyncStats:
         c = self.counters
         extra = {"updates_received": c.received, "updates_applied": c.applied, "updates_forwarded": c.forwarded,
-                 "updates_skipped": c.skipped, "dense_copies": c.dense_taken, "lag": self.lag(),
-                 "steps_held": c.held}
+                 "updates_skipped": c.skipped, "dense_copies": c.dense_taken, "lag": self.lag()}
         return SyncStats(
             bytes_pushed=c.bytes_sent, bytes_pulled=c.bytes_received, dense_bytes_pushed=c.dense_bytes_sent,
             pushes=c.sent, pulls=c.dense_taken, extra={k: v for k, v in extra.items() if v},
@@ -506,7 +466,6 @@ class P2PSync:
         for address in self._refs:
             self.heard.setdefault(address, now)  # a newcomer gets silent_s before it counts as silent
         self.members = sorted({*self._refs, self.me})
-        self._update_credit()
 
     def on_peers(self, msg: Peers) -> None:
         if msg.epoch < self.epoch:
@@ -520,38 +479,9 @@ class P2PSync:
     def _heard_from(self, address: str, origin: str | None = None) -> None:
         """A message came from ``address``: a peer the membership lacks joins it (unless the runner took it out)."""
         self.heard[address] = self.ctx.clock()
-        if address not in self._spoke:  # a peer holds credit from its first word on, not for what came before it
-            self._spoke.add(address)
-            self.acked[address] = max(self.acked.get(address, 0), self.seq)
         actor = self.ctx.actor
         if address not in self._refs and address != self.me and address not in self._gone and actor is not None:
             self._set_members([*self._refs.values(), actor.system.ref(address)])
-
-    def _live(self, address: str, now: float) -> bool:
-        return now - self.heard.get(address, now) <= self.spec.silent_s
-
-    # -- flow control ------------------------------------------------------------------------
-    def in_flight(self) -> int:
-        """This peer's updates in flight to the slowest live peer it sends to first (sent - acknowledged)."""
-        now = self.ctx.clock()
-        return max((self.seq - self.acked.get(address, 0) for address in self._targets(self.me)
-                    if address in self._refs and address in self._spoke and self._live(address, now)), default=0)
-
-    def _update_credit(self) -> None:
-        window = self.spec.max_in_flight
-        self.credit = window <= 0 or self.in_flight() < window
-
-    def _acknowledged(self, peer: str, count: int) -> None:
-        if count > self.acked.get(peer, -1):
-            self.acked[peer] = count
-            self.counters.acks += 1
-            if not self.credit:
-                self._update_credit()
-
-    def on_ack(self, msg: Ack) -> None:
-        self._heard_from(msg.peer)
-        if msg.origin == self.origin:
-            self._acknowledged(msg.peer, msg.count)
 
     def _alive_origin(self, origin: str) -> bool:
         return origin.partition("#")[0] in self.members
@@ -575,7 +505,7 @@ class P2PSync:
         out = Update(update.origin, update.seq, update.codec, update.payload, self.me)
         now = self.ctx.clock()
         for address in targets:
-            if not self._live(address, now):
+            if now - self.heard.get(address, now) > self.spec.silent_s:
                 self.counters.skipped += 1  # a silent peer catches up from its ledger once back
                 continue
             if self._tell(self._refs[address], out):
@@ -608,14 +538,6 @@ class P2PSync:
         else:
             self._pending.append((msg.origin, msg.seq, self._decode(msg.codec, msg.payload)))
             self._mark(msg.origin, msg.seq)
-        self._ack(msg)
-
-    def _ack(self, msg: Update) -> None:
-        """Tell the origin of an update it sent here directly how many of its updates this copy holds (its credit)."""
-        origin_address = msg.origin.partition("#")[0]
-        ref = self._refs.get(origin_address)
-        if ref is not None and msg.sender == origin_address and self.spec.max_in_flight > 0:
-            self._tell(ref, Ack(msg.origin, self.me, self.ledger[msg.origin].count()))
 
     def _decode(self, codec: str, payload: np.ndarray) -> NDArray[np.float32]:
         if codec != self.spec.codec:
@@ -651,10 +573,7 @@ class P2PSync:
         self._outer.step(self.w, -mean, out=self.w)  # the pseudo-gradient is minus the change
 
     def on_ledger(self, msg: Ledger) -> None:
-        address = msg.origin.partition("#")[0]
-        self._heard_from(address)
-        if self.origin in msg.have:
-            self._acknowledged(address, msg.have[self.origin])
+        self._heard_from(msg.origin.partition("#")[0])
         self.announced[msg.origin] = max(self.announced.get(msg.origin, 0), msg.sent)
         got = self.ledger.setdefault(msg.origin, _Received())
         got.high = max(got.high, msg.sent)
@@ -739,10 +658,9 @@ class P2PSync:
     async def tick(self) -> None:
         if self._closed or self.inbox is None:
             return
-        announce = Ledger(self.origin, self.seq, {o: r.count() for o, r in self.ledger.items() if o != self.origin})
+        announce = Ledger(self.origin, self.seq)
         for ref in self._refs.values():
             self._tell(ref, announce)
-        self._update_credit()  # a peer fallen silent (or taken out) holds the window no longer
         missing = {(o, s) for o, r in self.ledger.items() if self._alive_origin(o) and o != self.origin
                    for s in r.missing()}
         now = self.ctx.clock()
@@ -784,7 +702,7 @@ class P2PSync:
             "peer": self.me, "origin": self.origin, "sent": self.seq, "steps": self.steps,
             "ledger": {o: r.count() for o, r in self.ledger.items()},
             "complete": {o: r.have for o, r in self.ledger.items()},
-            "lag": self.lag(), "members": list(self.members), "in_flight": self.in_flight(),
+            "lag": self.lag(), "members": list(self.members),
             "counters": {name: int(getattr(c, name)) for name in c.__dataclass_fields__},
         }
 
@@ -811,10 +729,6 @@ class PeerInbox(Actor):
     @handler
     def ledger(self, msg: Ledger) -> None:
         self.sync.on_ledger(msg)
-
-    @handler
-    def ack(self, msg: Ack) -> None:
-        self.sync.on_ack(msg)
 
     @handler
     def resend(self, msg: Resend) -> None:
