@@ -476,7 +476,11 @@ def load_config(path: str | Path, *, resolve: bool = True) -> Config:
 
 def config_reference() -> Iterator[str]:
     """The Markdown reference of every section and key (``docs/config.md``)."""
-    notes = {"schedule": "Honoured by job.mode " + ", ".join(f"`{m.name}`" for m in MODES.values() if m.schedules) + "."}
+    notes = {
+        "job": "job.mode is one of " + ", ".join(f"`{name}`" for name in MODES) + " (the mode registry), each with its "
+               "section below.",
+        "schedule": "Honoured by job.mode " + ", ".join(f"`{m.name}`" for m in MODES.values() if m.schedules) + ".",
+    }
     yield "# Job config reference"
     yield ""
     yield "Generated from the schema by `python -m dniasync.cluster.config`; do not edit by hand."
