@@ -89,14 +89,16 @@ _DATA_KEY_KINDS: Final[dict[str, tuple[str, ...]]] = {
     "npz_y_key": ("npz",),
     "scale": ("csv", "npz", "idx", "dir"),
 }
+_CONVERTED_NOTE: Final = " (a converted data set keeps the settings it was converted with)"
 
 
 class DataConfig(Section, frozen=True):
     """The data set, its split and the mini-batch size."""
 
     dataset: Annotated[str, Meta(description=(
-        "`mnist5k`, `digits`, or a path to `.npz`, `.csv[.gz]`, an `*idx3-ubyte[.gz]` file (labels beside it) "
-        "or a directory of MNIST IDX files"))]
+        "`mnist5k`, `digits`, or a path to `.npz`, `.csv[.gz]`, an `*idx3-ubyte[.gz]` file (labels beside it), "
+        "a directory of MNIST IDX files, or a converted data set (a directory with a `manifest.json`, written by "
+        "`python -m dniasync.data convert SRC DEST`: memory-mapped, each trainer reads only its shard's rows)"))]
     n_train: Annotated[int, Meta(ge=1, description="size of the seeded training split")]
     n_test: Annotated[int, Meta(ge=1, description="size of the held-out split; n_train + n_test <= the data set")]
     batch_size: Annotated[int, Meta(ge=1, description="examples per step, at most n_train")] = 32
@@ -106,6 +108,15 @@ class DataConfig(Section, frozen=True):
     csv_header: Annotated[bool, Meta(description="CSV only: whether the first row is a header (detected if unset)")] | None = None
     npz_x_key: Annotated[str, Meta(description="npz only: the features array")] = "x"
     npz_y_key: Annotated[str, Meta(description="npz only: the labels array")] = "y"
+    shuffle: Annotated[Literal["global", "blocks"], Meta(description=(
+        "`global`: the split and every epoch's shards are permutations of all rows (each shard's rows change "
+        "every epoch); `blocks`: rows in blocks of data.block_rows in a seeded order, each shard a fixed range of "
+        "blocks, permuted every epoch, rows shuffled within windows of data.shuffle_window blocks (a trainer "
+        "touches only its shard's rows). Default: `blocks` for a converted data set, else `global`. The same "
+        "seed and shuffle give the same batches from a converted set and from its in-memory source"))] | None = None
+    block_rows: Annotated[int, Meta(ge=1, description="shuffle `blocks`: rows per block")] = 64
+    shuffle_window: Annotated[int, Meta(ge=1, description=(
+        "shuffle `blocks`: rows are shuffled within this many consecutive blocks of an epoch's order"))] = 16
 
     def __post_init__(self) -> None:
         try:
@@ -124,7 +135,17 @@ class DataConfig(Section, frozen=True):
         for key, kinds in _DATA_KEY_KINDS.items():
             if key in given and kind not in kinds:
                 raise KeyProblem(key, f"'{{key}}' applies only to {' or '.join(kinds)} data sets; "
-                                      f"{self.dataset!r} is {kind}")
+                                      f"{self.dataset!r} is {kind}" + (_CONVERTED_NOTE if kind == "converted" else ""))
+        for key in ("block_rows", "shuffle_window"):
+            if key in given and self.order != "blocks":
+                raise KeyProblem(key, f"'{{key}}' applies only with data.shuffle = 'blocks' (it is {self.order!r})")
+
+    @property
+    def order(self) -> str:
+        """``shuffle``, or its default for this data set."""
+        if self.shuffle is not None:
+            return self.shuffle
+        return "blocks" if dataset_kind(self.dataset) == "converted" else "global"
 
     def reader_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :func:`dniasync.train.data.load_dataset` for this data set."""

@@ -20,7 +20,7 @@ def model_spec(config: Config) -> ModelSpec:
 def data_spec(config: Config) -> DataSpec:
     d = config.data
     return DataSpec(d.dataset, d.reader_kwargs(), d.n_train, d.n_test, config.job.seed, d.batch_size,
-                    config.n_data_shards, schedule_spec(config))
+                    config.n_data_shards, schedule_spec(config), d.order, d.block_rows, d.shuffle_window)
 
 
 def schedule_spec(config: Config) -> ScheduleSpec | None:

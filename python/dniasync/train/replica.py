@@ -10,7 +10,11 @@ step applied in place, without locks, to the job's shared-memory store).
 
 Training advances by ``_Step`` messages the replica sends itself, so between
 steps it still handles new shard assignments and stop requests. Torch work
-runs on the system's worker threads, off the event loop. It reports its
+runs on the system's worker threads, off the event loop. Its training rows
+come from :meth:`~dniasync.train.specs.DataSpec.open_split`: a converted data
+set stays on disk, and the next step's first batch is read on the rows'
+prefetching thread while this step computes (the cursor moves only when a
+batch is drawn for training, so checkpoints still name the next row to train). It reports its
 counters to the job runner (:class:`~dniasync.train.messages.Progress`),
 which is also its liveness signal.
 """
@@ -83,7 +87,7 @@ class Replica(Actor):
     def _setup(self) -> None:
         torch.set_num_threads(1)
         spec = self.spec
-        self.x, self.y, _, _ = spec.data.load_split()
+        self.rows, _, _ = spec.data.open_split()
         self.shard_plan = spec.data.shard_plan()
         self._set_cursors(spec.cursors)
         model = spec.model.build()
@@ -130,6 +134,9 @@ class Replica(Actor):
             return  # nothing to train on until the runner hands a shard over
         await self.sync.ready()
         batches = [self._next_indices() for _ in range(self.sync.steps_per_call(self.steps))]
+        for indices in batches:
+            self.rows.prefetch(indices)
+        self._prefetch_next()
         losses = await self.run_blocking(self._compute_many, batches)
         samples = sum(len(b) for b in batches)
         self.steps += len(batches)
@@ -156,6 +163,14 @@ class Replica(Actor):
         indices, self.cursors[shard] = self.shard_plan.next_batch(cursor, size)
         return indices
 
+    def _prefetch_next(self) -> None:
+        """Start reading the batch the next step will draw (drawn, not taken: the cursor stays)."""
+        if not self.cursors:
+            return
+        shard = sorted(self.cursors)[self._turn % len(self.cursors)]
+        indices, _ = self.shard_plan.next_batch(self.cursors[shard], self.batch_size)
+        self.rows.prefetch(indices)
+
     @property
     def batch_size(self) -> int:
         """The size of its next mini-batch."""
@@ -170,9 +185,9 @@ class Replica(Actor):
         return losses
 
     def _compute(self, indices: np.ndarray) -> float:
-        idx = torch.from_numpy(indices)
+        x, y = self.rows.take(indices)
         model = self.flat.model
-        loss = F.cross_entropy(model(self.x[idx]), self.y[idx])
+        loss = F.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))
         loss.backward()  # type: ignore[no-untyped-call]
         clip = self.spec.optimizer.clip_norm
         if clip is not None:
@@ -191,10 +206,10 @@ class Replica(Actor):
         flat.accumulate_grad()  # nothing pending in the parameters' .grad: flat.grad is what came before
         start = flat.grad.clone()
         last, loss_sum, part_grads = start, 0.0, []
-        for part in parts:
-            idx = torch.from_numpy(part)
+        bx, by = self.rows.take(indices)
+        for part in np.array_split(np.arange(len(indices)), len(parts)):
             weight = len(part) / len(indices)
-            loss = F.cross_entropy(model(self.x[idx]), self.y[idx])
+            loss = F.cross_entropy(model(torch.from_numpy(bx[part])), torch.from_numpy(by[part]))
             (loss * weight).backward()  # type: ignore[no-untyped-call]
             flat.accumulate_grad()
             now = flat.grad.clone()
@@ -220,6 +235,9 @@ class Replica(Actor):
             await asyncio.gather(self._reporter, return_exceptions=True)
         if self._sync_built:
             await self.sync.close()
+        rows = getattr(self, "rows", None)
+        if rows is not None:
+            await asyncio.to_thread(rows.close)
 
     async def _report_forever(self) -> None:
         while self.running:

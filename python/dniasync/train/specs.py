@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import _core
 from ..actors import ActorRef, message
-from .data import ShardPlan, load_dataset, split
+from .data import DatasetError, MemoryRows, ShardPlan, TrainRows, is_converted, load_dataset, open_split, split
 from .schedules import ScheduleSpec
 
 if TYPE_CHECKING:
@@ -68,17 +68,39 @@ class DataSpec:
     n_shards: int
     schedule: ScheduleSpec | None = None
     """How the batch size grows (None: ``batch_size`` throughout)."""
+    shuffle: str = "global"
+    """The split's and the shards' order (:class:`~dniasync.train.data.RowOrder`, :class:`ShardPlan`)."""
+    block: int = 64
+    window: int = 16
 
-    def load_split(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(train x, train y, held-out x, held-out y) as tensors."""
+    def open_split(self) -> tuple[TrainRows, torch.Tensor, torch.Tensor]:
+        """(training rows, held-out x, held-out y): a converted set's training rows stay on disk, mapped."""
         import torch
 
+        train, x_test, y_test = open_split(self.dataset, self.reader, self.n_train, self.n_test, self.seed,
+                                           shuffle=self.shuffle, block=self.block)
+        return train, torch.from_numpy(x_test), torch.from_numpy(y_test)
+
+    def load_split(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(train x, train y, held-out x, held-out y) as tensors, all in memory.
+
+        Only for in-memory sources: a converted set is refused (read it by shard, :meth:`open_split`).
+        """
+        import torch
+
+        if is_converted(self.dataset):
+            raise DatasetError(f"{self.dataset} is a converted data set, read by shard and never loaded whole; "
+                               "this method (Sandblaster, compare's baseline) needs an in-memory source")
+        if self.shuffle != "global":
+            train_rows, x_test, y_test = self.open_split()
+            assert isinstance(train_rows, MemoryRows)
+            return torch.from_numpy(train_rows.x), torch.from_numpy(train_rows.y), x_test, y_test
         train, test = split(load_dataset(self.dataset, **self.reader), self.n_train, self.n_test, self.seed)
         return (torch.from_numpy(train.x), torch.from_numpy(train.y), torch.from_numpy(test.x),
                 torch.from_numpy(test.y))
 
     def shard_plan(self) -> ShardPlan:
-        return ShardPlan(self.n_train, self.n_shards, self.seed)
+        return ShardPlan(self.n_train, self.n_shards, self.seed, self.shuffle, self.block, self.window)
 
 
 @message("dniasync.train.OptimizerSpec")

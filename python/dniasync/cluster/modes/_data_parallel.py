@@ -108,7 +108,7 @@ class DataParallelJob:
         model: nn.Module = self.model_spec.build()
         self.initial = flatten_parameters(model)
         self.n_params = int(self.initial.size)
-        _, _, self.x_test, self.y_test = self.data_spec.load_split()
+        _, self.x_test, self.y_test = self.data_spec.open_split()  # a converted set stays mapped
         self.eval_buffer = self.initial.copy()
         self.eval_flat = FlatModel(model, self.eval_buffer)
         self.replicas: dict[str, _Replica] = {}

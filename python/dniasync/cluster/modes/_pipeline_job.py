@@ -94,9 +94,9 @@ class PipelineJob:
         self.runner = runner
         self.p: PipelineConfig = config.settings
         self.model_spec, self.data_spec = model_spec(config), data_spec(config)
-        self.x_train, self.y_train, self.x_test, self.y_test = self.data_spec.load_split()
-        self.num_classes = int(max(int(self.y_train.max()), int(self.y_test.max()))) + 1
-        self.in_features = int(self.x_train.shape[1])
+        self.train_rows, self.x_test, self.y_test = self.data_spec.open_split()  # a converted set stays mapped
+        self.num_classes = max(self.train_rows.n_classes, int(self.y_test.max()) + 1)
+        self.in_features = self.train_rows.n_features
         model = self.model_spec.build()
         assert isinstance(model, torch.nn.Sequential)  # checked when the config was resolved
         self.eval_model = model
@@ -333,6 +333,8 @@ class PipelineJob:
             if sizes.changed:
                 self.runner.event(EVENT_BATCH_SIZE, pipeline=r, epoch=c.epoch, position=c.position, batch_size=size)
             indices, self.cursors[r] = self.shard_plan.next_batch(c, size)
+            if self.cursors[r].epoch < self.config.stop.max_epochs:  # read the next batch while this one is fed
+                self.train_rows.prefetch(self.shard_plan.next_batch(self.cursors[r], size)[0])
             batch = torch.from_numpy(np.ascontiguousarray(indices))
             epoch = c.epoch + c.position / shard_size
             self._last_batch[r] = (batch, epoch)
@@ -355,10 +357,13 @@ class PipelineJob:
         self._norm_tests[r] = asyncio.create_task(self._norm_test(r, schedule, *last), name=f"pipeline-{r}-norm-test")
 
     async def _norm_test(self, r: int, schedule: BatchSchedule, batch: torch.Tensor, epoch: float) -> None:
+        import torch
+
         from ...train.pipeline import PipelineBroken
 
         try:
-            probe = await self.drivers[r].norm_probe(self.x_train[batch], self.y_train[batch], schedule.spec.chunks)
+            bx, by = await self.train_rows.take_async(batch.numpy())
+            probe = await self.drivers[r].norm_probe(torch.from_numpy(bx), torch.from_numpy(by), schedule.spec.chunks)
         except (PipelineBroken, ActorError) as exc:  # the pipeline's own training reports what broke
             log.info("pipeline %d: norm test skipped (%r)", r, exc)
             return
@@ -375,7 +380,7 @@ class PipelineJob:
                 await self.durability.capture(r, first=True)  # a stage dying from the first batch has a state to go back to
             while True:
                 try:
-                    result = await self.drivers[r].train(self.x_train, self.y_train, self._batches(r), between=between)
+                    result = await self.drivers[r].train(self.train_rows, None, self._batches(r), between=between)
                     break
                 except PipelineBroken as exc:
                     if not self.durability.can_recover(r):

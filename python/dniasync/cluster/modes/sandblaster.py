@@ -120,7 +120,7 @@ class _SandblasterJob:
         self.initial = torch.cat([p.detach().double().reshape(-1) for p in model.parameters()]).numpy().copy()
         self.n_params = int(self.initial.size)
         self.ranges = split_ranges(self.n_params, s.n_ps_shards)
-        _, _, self.x_test, self.y_test = self.data_spec.load_split()
+        _, self.x_test, self.y_test = self.data_spec.open_split()  # a converted set stays mapped
         self.eval_buffer = flatten_parameters(model)
         self.eval_flat = FlatModel(model, self.eval_buffer)
         self.lbfgs = LBFGSSettings(s.history, s.max_iterations, s.lr, s.line_search, s.armijo, s.max_line_search,

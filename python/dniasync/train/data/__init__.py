@@ -4,6 +4,11 @@
 from a built-in name or a local IDX, npz or CSV file and splits it reproducibly;
 :mod:`.sharding` cuts the training set into per-epoch shards (:class:`ShardPlan`)
 read through resumable :class:`DataCursor` positions.
+
+:mod:`.converted` is the on-disk format (Arrow IPC files, memory-mapped, and a
+manifest) that :mod:`.convert` writes (``python -m dniasync.data convert``);
+:func:`open_split` (:mod:`.source`) gives a trainer its training rows by
+position, from memory or mapped from disk, prefetched on a thread.
 """
 
 from .readers import (
@@ -21,12 +26,23 @@ from .readers import (
     read_idx,
     split,
 )
-from .sharding import Batch, DataCursor, ShardPlan, iter_batches, shard_indices
+from .converted import ConvertedDataset, Manifest, is_converted
+from .sharding import SHUFFLES, Batch, DataCursor, RowOrder, ShardPlan, iter_batches, shard_indices
+from .source import MappedRows, MemoryRows, TrainRows, open_split
 
 __all__ = [
     "BUILTIN_DATASETS",
+    "SHUFFLES",
     "Batch",
+    "ConvertedDataset",
+    "Manifest",
+    "MappedRows",
+    "MemoryRows",
+    "RowOrder",
+    "TrainRows",
     "count_examples",
+    "is_converted",
+    "open_split",
     "DataCursor",
     "Dataset",
     "DatasetError",

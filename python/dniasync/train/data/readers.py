@@ -360,9 +360,14 @@ def _find_idx_pair(directory: Path, prefix: str) -> tuple[Path, Path] | None:
 
 
 def dataset_kind(spec: str) -> str:
-    """What ``spec`` names, judged from its text alone: builtin, npz, csv, idx or dir."""
+    """What ``spec`` names, judged from its text alone: builtin, npz, csv, idx, dir or converted.
+
+    ``converted``: a directory holding a ``manifest.json`` (:mod:`.converted`).
+    """
     if spec in BUILTIN_DATASETS:
         return "builtin"
+    if (Path(spec) / "manifest.json").is_file():
+        return "converted"
     lower = spec.lower()
     if lower.endswith(".npz"):
         return "npz"
@@ -374,7 +379,8 @@ def dataset_kind(spec: str) -> str:
         return "dir"
     raise DatasetError(
         f"unknown data set {spec!r}: not a built-in name ({', '.join(BUILTIN_DATASETS)}) "
-        "nor a path ending in .npz, .csv, .csv.gz, idx3-ubyte[.gz], nor a directory of IDX files"
+        "nor a path ending in .npz, .csv, .csv.gz, idx3-ubyte[.gz], nor a directory of IDX files or a converted "
+        "data set (python -m dniasync.data convert)"
     )
 
 
@@ -397,6 +403,9 @@ def load_dataset(
     kind = dataset_kind(spec)
     if kind == "builtin":
         return load_mnist5k() if spec == "mnist5k" else load_digits()
+    if kind == "converted":
+        raise DatasetError(f"{spec} is a converted data set: it is read by rows from its mapped files "
+                           "(train.data.open_split), never loaded whole")
     path = Path(spec)
     if kind != "dir" and not path.is_file():
         raise DatasetError(f"data set file not found: {path}")
@@ -428,10 +437,17 @@ def _idx_count(path: Path) -> int:
 
 
 def count_examples(spec: str, *, header: bool | None = None, y_key: str = "y") -> int:
-    """How many examples ``spec`` holds, without loading its features where avoidable."""
+    """How many examples ``spec`` holds, without loading its features where avoidable.
+
+    A converted set is checked against its manifest on the way, checksums included.
+    """
     kind = dataset_kind(spec)
     if kind == "builtin":
         return BUILTIN_DATASETS[spec]
+    if kind == "converted":
+        from .converted import ConvertedDataset
+
+        return len(ConvertedDataset(spec, verify_checksums=True))
     path = Path(spec)
     if kind != "dir" and not path.is_file():
         raise DatasetError(f"data set file not found: {path}")

@@ -6,22 +6,70 @@ reshuffled every epoch from ``(seed, epoch)`` alone, so any process computes
 the same shards. A :class:`DataCursor` (shard, epoch, position: three ints)
 says how far a shard has been read, so a checkpoint can store it and another
 replica can take over a dead one's shard exactly where it stopped.
+
+Two orders (``shuffle``): ``"global"`` permutes all ``n`` training positions
+every epoch, so a shard's examples change from epoch to epoch (needs the
+whole set at hand); ``"blocks"`` gives each shard a fixed contiguous range of
+positions and every epoch permutes that range's blocks of ``block`` rows,
+then the rows within each window of ``window`` consecutive blocks. With
+:class:`RowOrder`'s block split (training positions are whole blocks of rows
+in a seeded order) a shard's rows are a fixed set of contiguous row runs, so a
+reader that maps a file on disk touches only its shard's pages.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Final, NamedTuple
+from dataclasses import dataclass, field
+from typing import Final, Literal, NamedTuple
 
 import numpy as np
 
-from .readers import Dataset, DatasetError, FloatArray, IndexArray
+from .readers import _SPLIT_STREAM, Dataset, DatasetError, FloatArray, IndexArray
 
-__all__ = ["Batch", "DataCursor", "ShardPlan", "iter_batches", "shard_indices"]
+__all__ = ["SHUFFLES", "Batch", "DataCursor", "RowOrder", "ShardPlan", "Shuffle", "iter_batches", "shard_indices"]
 
 # The shards' random stream from the job seed, apart from the split's (readers._SPLIT_STREAM).
 _SHARD_STREAM: Final = 1
+
+Shuffle = Literal["global", "blocks"]
+SHUFFLES: Final[tuple[str, ...]] = ("global", "blocks")
+
+
+class RowOrder:
+    """Which row of a set of ``n_rows`` each training and held-out position is.
+
+    ``"global"``: the order of :func:`~dniasync.train.data.split` (one seeded
+    permutation of every row; ``n_rows`` int64 in memory). ``"blocks"``: rows
+    cut into blocks of ``block`` consecutive rows, the blocks in a seeded order
+    (``n_rows / block`` ints in memory); positions ``[0, n_train)`` are the
+    training split and the next ``n_test`` the held-out one, both as before
+    disjoint and seeded.
+    """
+
+    def __init__(self, n_rows: int, seed: int, shuffle: str = "global", block: int = 64) -> None:
+        if shuffle not in SHUFFLES:
+            raise DatasetError(f"unknown shuffle {shuffle!r}; choose one of {', '.join(SHUFFLES)}")
+        if block < 1:
+            raise DatasetError(f"block must be >= 1, got {block}")
+        self.n_rows, self.shuffle, self.block = n_rows, shuffle, block
+        if shuffle == "global":
+            self._perm = np.random.default_rng([seed, _SPLIT_STREAM]).permutation(n_rows).astype(np.int64)
+            return
+        n_blocks = -(-n_rows // block)
+        self._blocks = np.random.default_rng([seed, _SPLIT_STREAM, 1]).permutation(n_blocks).astype(np.int64)
+        sizes = np.minimum(block, n_rows - self._blocks * block)
+        self._starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+    def rows(self, positions: IndexArray) -> IndexArray:
+        """The rows at ``positions`` (in the split's order: train first, then held-out)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.size and (int(positions.min()) < 0 or int(positions.max()) >= self.n_rows):
+            raise DatasetError(f"positions outside [0, {self.n_rows})")
+        if self.shuffle == "global":
+            return self._perm[positions]
+        k = np.searchsorted(self._starts, positions, side="right") - 1
+        return self._blocks[k] * self.block + (positions - self._starts[k])
 
 
 def shard_indices(n: int, n_shards: int, shard: int, epoch: int, seed: int) -> IndexArray:
@@ -61,17 +109,37 @@ class DataCursor:
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """``n`` training examples in ``n_shards`` shards, reshuffled per epoch from ``seed``."""
+    """``n`` training examples in ``n_shards`` shards, reshuffled per epoch from ``seed``.
+
+    ``shuffle="global"`` (the default): each epoch one permutation of all ``n``;
+    ``"blocks"``: each shard keeps its contiguous range of positions and each
+    epoch permutes its blocks of ``block`` positions, then the positions within
+    every ``window`` consecutive blocks (see the module's docstring). Shard
+    sizes, disjointness and cursors are the same in both.
+    """
 
     n: int
     n_shards: int
     seed: int
+    shuffle: str = "global"
+    block: int = 64
+    window: int = 16
+    _last: dict[tuple[int, int], IndexArray] = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.n < 1:
             raise DatasetError(f"cannot shard {self.n} examples")
         if not 1 <= self.n_shards <= self.n:
             raise DatasetError(f"n_shards must be between 1 and {self.n} (examples), got {self.n_shards}")
+        if self.shuffle not in SHUFFLES:
+            raise DatasetError(f"unknown shuffle {self.shuffle!r}; choose one of {', '.join(SHUFFLES)}")
+        if self.block < 1 or self.window < 1:
+            raise DatasetError(f"block and window must be >= 1, got {self.block} and {self.window}")
+
+    def bounds(self, shard: int) -> tuple[int, int]:
+        """``[lo, hi)``: with ``shuffle="blocks"`` the positions ``shard`` holds in every epoch."""
+        self._check_shard(shard)
+        return shard * self.n // self.n_shards, (shard + 1) * self.n // self.n_shards
 
     def _check_shard(self, shard: int) -> None:
         if not 0 <= shard < self.n_shards:
@@ -87,9 +155,30 @@ class ShardPlan:
         self._check_shard(shard)
         if epoch < 0:
             raise DatasetError(f"epoch must be >= 0, got {epoch}")
-        order = np.random.default_rng([self.seed, _SHARD_STREAM, epoch]).permutation(self.n)
-        lo, hi = shard * self.n // self.n_shards, (shard + 1) * self.n // self.n_shards
-        return order[lo:hi].astype(np.int64)
+        cached = self._last.get((shard, epoch))
+        if cached is not None:  # next_batch asks once per batch: one permutation per epoch, not per batch
+            return cached
+        lo, hi = self.bounds(shard)
+        if self.shuffle == "global":
+            order = np.random.default_rng([self.seed, _SHARD_STREAM, epoch]).permutation(self.n)
+            out = order[lo:hi].astype(np.int64)
+        else:
+            out = self._block_order(shard, epoch, lo, hi)
+        for key in [k for k in self._last if k[0] == shard]:
+            del self._last[key]
+        self._last[(shard, epoch)] = out
+        return out
+
+    def _block_order(self, shard: int, epoch: int, lo: int, hi: int) -> IndexArray:
+        """The shard's positions, blocks permuted, then the positions within each window of blocks."""
+        rng = np.random.default_rng([self.seed, _SHARD_STREAM, epoch, shard])
+        n_blocks = -(-(hi - lo) // self.block)
+        starts = lo + rng.permutation(n_blocks).astype(np.int64) * self.block
+        lengths = np.minimum(self.block, hi - starts)
+        first = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # where each block begins in the output
+        out = np.repeat(starts - first, lengths) + np.arange(hi - lo, dtype=np.int64)
+        windows = np.repeat(np.arange(n_blocks) // self.window, lengths)
+        return out[np.lexsort((rng.random(hi - lo), windows))]
 
     def normalize(self, cursor: DataCursor) -> DataCursor:
         """``cursor`` checked against this plan; one at the end of an epoch moves to the next."""
@@ -103,7 +192,7 @@ class ShardPlan:
     def remaining(self, cursor: DataCursor) -> IndexArray:
         """Indices not yet read in the cursor's epoch (all of the next one at an epoch's end)."""
         cursor = self.normalize(cursor)
-        return self.indices(cursor.shard, cursor.epoch)[cursor.position :]
+        return self.indices(cursor.shard, cursor.epoch)[cursor.position :].copy()
 
     def next_batch(self, cursor: DataCursor, batch_size: int) -> tuple[IndexArray, DataCursor]:
         """Up to ``batch_size`` indices from ``cursor`` and the cursor after them.
@@ -117,7 +206,7 @@ class ShardPlan:
         cursor = self.normalize(cursor)
         size = self.shard_size(cursor.shard)
         end = min(cursor.position + batch_size, size)
-        idx = self.indices(cursor.shard, cursor.epoch)[cursor.position : end]
+        idx = self.indices(cursor.shard, cursor.epoch)[cursor.position : end].copy()
         after = (
             DataCursor(cursor.shard, cursor.epoch + 1, 0)
             if end == size

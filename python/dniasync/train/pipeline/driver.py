@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ...actors import Actor, ActorRef, ActorStopped, ActorSystem, AskTimeout, handler
+from ..data import TrainRows
 from .protocol import (
     AdoptLayers,
     Connect,
@@ -374,8 +375,8 @@ class PipelineDriver:
 
     async def train(
         self,
-        x: torch.Tensor,
-        y: torch.Tensor,
+        x: torch.Tensor | TrainRows,
+        y: torch.Tensor | None,
         batches: Iterable[torch.Tensor] | None = None,
         *,
         epochs: int | None = None,
@@ -399,9 +400,10 @@ class PipelineDriver:
         after each mini-batch is fed (a regrouping policy may drain and move
         layers there). ``lr_decay`` (with ``epochs``): each batch is fed with
         :attr:`lr_scale` at the fraction of the run's samples fed before it;
-        without, :attr:`lr_scale` is the caller's.
+        without, :attr:`lr_scale` is the caller's. ``x`` may be :class:`~dniasync.train.data.TrainRows`
+        (``y`` None): each batch is then read from them on their prefetching thread, off the event loop.
         """
-        n = int(x.shape[0])
+        n = len(x) if isinstance(x, TrainRows) else int(x.shape[0])
         if lr_decay is not None and epochs is None:
             raise ValueError("lr_decay needs epochs (the run's length)")
         if batches is None:
@@ -419,7 +421,12 @@ class PipelineDriver:
             await self._wait_until(lambda: len(self._progress.in_flight) < self.schedule.max_in_flight)
             if lr_decay is not None and epochs:
                 self.lr_scale = lr_decay.scale(samples / (n * epochs))
-            await self._feed_batch(x[idx], y[idx], step_id)
+            if isinstance(x, TrainRows):
+                bx, by = await x.take_async(idx.numpy())
+                await self._feed_batch(torch.from_numpy(bx), torch.from_numpy(by), step_id)
+            else:
+                assert y is not None
+                await self._feed_batch(x[idx], y[idx], step_id)
             if self.schedule.flush:
                 await self.drain()
             if between is not None:

@@ -1,0 +1,1 @@
+"""``python -m dniasync.data``: the data set converter's command line (the code lives in :mod:`dniasync.train.data`)."""

@@ -1,0 +1,167 @@
+"""The training split as a trainer reads it: by position, a batch at a time, prefetched off the event loop.
+
+:func:`open_split` gives the training rows as a :class:`TrainRows` and the
+held-out rows as arrays. An in-memory source (built-ins, IDX, npz, CSV) is
+loaded and split as before (``shuffle="global"``: exactly
+:func:`~dniasync.train.data.split`); a converted set is never loaded: its
+training rows are a :class:`MappedRows` that gathers a batch's rows from the
+memory-mapped files when asked, on a prefetching thread of its own, and only
+the ``n_test`` held-out rows are read at start. Both give the same batches for
+the same seed and shuffle (:class:`~dniasync.train.data.RowOrder`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Final
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .converted import ConvertedDataset, is_converted
+from .readers import DatasetError, IndexArray, load_dataset, split
+from .sharding import RowOrder
+
+__all__ = ["MappedRows", "MemoryRows", "TrainRows", "open_split"]
+
+_PENDING: Final = 4  # batches a prefetcher holds ahead at most
+
+
+class TrainRows:
+    """Training examples by position ``[0, n)``: :meth:`take` gives a batch as numpy arrays."""
+
+    name: str = "train"
+    n_features: int = 0
+    n_classes: int = 0
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def take(self, positions: IndexArray) -> tuple[NDArray[Any], IndexArray]:
+        """Features and labels at ``positions`` (in that order); a prefetched batch is taken from the prefetcher."""
+        raise NotImplementedError
+
+    def prefetch(self, positions: IndexArray) -> None:
+        """Start reading ``positions`` in the background (a no-op for rows in memory)."""
+
+    async def take_async(self, positions: IndexArray) -> tuple[NDArray[Any], IndexArray]:
+        """:meth:`take` for the event loop: the reading happens on the prefetching thread."""
+        return self.take(positions)
+
+    def close(self) -> None:
+        """Stop the prefetching thread."""
+
+
+class MemoryRows(TrainRows):
+    """Rows already in memory (the in-memory readers' split)."""
+
+    def __init__(self, x: NDArray[Any], y: IndexArray, name: str = "train") -> None:
+        self.x, self.y, self.name = x, y, name
+        self.n_features = int(x.shape[1])
+        self.n_classes = int(y.max()) + 1 if y.size else 0
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+    def take(self, positions: IndexArray) -> tuple[NDArray[Any], IndexArray]:
+        return self.x[positions], self.y[positions]
+
+
+class MappedRows(TrainRows):
+    """Positions ``[offset, offset + n)`` of a :class:`RowOrder` over a memory-mapped converted set.
+
+    Reads happen on one thread of its own (``prefetch``); :attr:`rows_touched`
+    counts the rows it gathered and :meth:`rows_of` says which rows positions are.
+    """
+
+    def __init__(self, data: ConvertedDataset, order: RowOrder, n: int, offset: int = 0) -> None:
+        self.data, self.order, self.n, self.offset = data, order, n, offset
+        self.name = f"{data.name}[train]"
+        self.n_features, self.n_classes = data.n_features, data.n_classes
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: OrderedDict[bytes, Future[tuple[NDArray[Any], IndexArray]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def rows_of(self, positions: IndexArray) -> IndexArray:
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.size and (int(positions.min()) < 0 or int(positions.max()) >= self.n):
+            raise DatasetError(f"{self.name}: positions outside [0, {self.n})")
+        return self.order.rows(positions + self.offset)
+
+    @property
+    def rows_touched(self) -> int:
+        return self.data.rows_read
+
+    def _read(self, positions: IndexArray) -> tuple[NDArray[Any], IndexArray]:
+        return self.data.gather(self.rows_of(positions))
+
+    def _submit(self, positions: IndexArray) -> Future[tuple[NDArray[Any], IndexArray]]:
+        key = np.asarray(positions, dtype=np.int64).tobytes()
+        with self._lock:
+            future = self._pending.get(key)
+            if future is None:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"prefetch-{self.data.name}")
+                future = self._pending[key] = self._pool.submit(self._read, np.array(positions, dtype=np.int64))
+                while len(self._pending) > _PENDING:
+                    self._pending.popitem(last=False)
+            return future
+
+    def _claim(self, positions: IndexArray) -> Future[tuple[NDArray[Any], IndexArray]] | None:
+        with self._lock:
+            return self._pending.pop(np.asarray(positions, dtype=np.int64).tobytes(), None)
+
+    def prefetch(self, positions: IndexArray) -> None:
+        self._submit(positions)
+
+    def take(self, positions: IndexArray) -> tuple[NDArray[Any], IndexArray]:
+        future = self._claim(positions)
+        return future.result() if future is not None else self._read(positions)
+
+    async def take_async(self, positions: IndexArray) -> tuple[NDArray[Any], IndexArray]:
+        future = self._claim(positions) or self._submit(positions)
+        self._claim(positions)
+        return await asyncio.wrap_future(future)
+
+    def close(self) -> None:
+        with self._lock:
+            self._pending.clear()
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def open_split(dataset: str, reader: dict[str, Any], n_train: int, n_test: int, seed: int, *,
+               shuffle: str = "global", block: int = 64, verify_checksums: bool = False
+               ) -> tuple[TrainRows, NDArray[Any], IndexArray]:
+    """(training rows, held-out features, held-out labels) of ``dataset`` split by ``seed``.
+
+    A converted set is opened, not loaded; ``reader`` applies to the in-memory sources only.
+    """
+    if n_train < 1 or n_test < 0:
+        raise DatasetError(f"split needs n_train >= 1 and n_test >= 0, got {n_train} and {n_test}")
+    if is_converted(dataset):
+        data = ConvertedDataset(dataset, verify_checksums=verify_checksums)
+        if n_train + n_test > len(data):
+            raise DatasetError(f"{data.name} has {len(data)} examples, fewer than n_train + n_test = "
+                               f"{n_train + n_test}")
+        order = RowOrder(len(data), seed, shuffle, block)
+        x_test, y_test = data.gather(order.rows(np.arange(n_train, n_train + n_test)))
+        data.rows_read = 0  # the counter is the training rows'
+        return MappedRows(data, order, n_train), x_test, y_test
+    ds = load_dataset(dataset, **reader)
+    if shuffle == "global":
+        train, test = split(ds, n_train, n_test, seed)
+        return MemoryRows(train.x, train.y, train.name), test.x, test.y
+    if n_train + n_test > len(ds):
+        raise DatasetError(f"{ds.name} has {len(ds)} examples, fewer than n_train + n_test = {n_train + n_test}")
+    order = RowOrder(len(ds), seed, shuffle, block)
+    train = ds.subset(order.rows(np.arange(n_train)), f"{ds.name}[train]")
+    test = ds.subset(order.rows(np.arange(n_train, n_train + n_test)), f"{ds.name}[held-out]")
+    return MemoryRows(train.x, train.y, train.name), test.x, test.y
