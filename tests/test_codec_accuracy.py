@@ -138,8 +138,10 @@ def test_the_default_delta_threshold_is_a_tenth_of_the_parameter_rms_whatever_th
         tau = shard.threshold_for(c)
         assert tau == pytest.approx(AUTO_DELTA_TAU_FRACTION * float(np.sqrt(np.mean(c.astype(np.float64) ** 2))),
                                     rel=1e-5)
-        parts = shard.encode(c - k, tau)
-        assert parts is not None and 0 < sum(p.nbytes for p in parts) < c.nbytes / 4
+        coded = shard.encode(c - k, tau)
+        assert coded is not None and coded[0] == "threshold"
+        parts = coded[1]
+        assert 0 < sum(p.nbytes for p in parts) < c.nbytes / 4
         if scale == 1.0:
             first = [p.copy() for p in parts]
         else:
@@ -152,7 +154,34 @@ def test_the_default_delta_threshold_is_a_tenth_of_the_parameter_rms_whatever_th
 
     fixed = DeltaCodec("threshold", n, tau=0.2)  # an explicit delta_tau still wins
     assert fixed.threshold_for(current) == 0.2
-    assert fixed.encode(current - known, 0.2) == []  # nothing moved by 0.2: an empty delta
+    empty = fixed.encode(current - known, 0.2)  # nothing moved by 0.2: an empty delta
+    assert empty is not None and empty[0] == "threshold" and sum(p.nbytes for p in empty[1]) == 0
     # parameters all zero (a shard of zero-initialised biases): no scale to take a threshold from, so dense
     zeros = np.zeros(n, dtype=np.float32)
     assert shard.threshold_for(zeros) == 0.0 and shard.encode(current, 0.0) is None
+
+
+def test_a_threshold_delta_costs_five_bytes_per_moved_element_and_falls_back_to_int8_when_that_is_smaller() -> None:
+    """An element that moved k thresholds is one index and one count (int8; int16 past 127); where most elements
+    moved (early training), the int8 answer (a byte each, a quarter of a dense copy) is the smaller one."""
+    rng = np.random.default_rng(3)
+    n, tau = 10_000, 0.01
+    shard, replica = DeltaCodec("threshold", n, tau=tau), DeltaCodec("threshold", n, tau=tau)
+    for moved, scale, codec, width in ((500, 0.05, "threshold", 1), (500, 2.0, "threshold", 2),
+                                       (n, 0.05, "int8", None)):
+        diff = np.zeros(n, dtype=np.float32)
+        hit = rng.choice(n, moved, replace=False)
+        diff[hit] = rng.normal(0, scale, moved).astype(np.float32) + np.sign(rng.normal(size=moved)) * tau
+        coded = shard.encode(diff, tau)
+        assert coded is not None and coded[0] == codec
+        name, parts = coded
+        size = sum(p.nbytes for p in parts)
+        if width is not None:
+            reached = int((np.abs(diff) >= tau).sum())
+            assert size == reached * (4 + width)
+        else:
+            assert size < n + 4 * (n // 256 + 1) + 1 < 4 * n / 3
+        got_shard, got_replica = shard.decode(parts, tau, name), replica.decode(parts, tau, name)
+        np.testing.assert_array_equal(got_shard, got_replica)  # both copies move alike, bit for bit
+        bound = tau * (1 + 1e-5) if name == "threshold" else float(np.abs(diff).max()) / 254 * 1.001 + 1e-7
+        assert np.abs(diff - got_shard).max() <= bound

@@ -265,15 +265,25 @@ class DeltaCodec:
     The shard keeps what the replica holds (``known``) and sends ``code(current - known)``;
     both sides add the same :meth:`decode` to their copy, so the replica's parameters equal
     the shard's ``known`` bit for bit. What a message leaves out stays in ``current - known``
-    and goes with a later one: that difference is the error feedback, so the codec's own
-    residual (threshold) or carried error (onebit) is cleared before each encode.
+    and goes with a later one: that difference is the error feedback, so no codec keeps a
+    residual of its own here.
+
+    ``threshold`` codes each element whose difference reached the threshold once, as its
+    index and its whole number of thresholds (``trunc(diff / tau)``): two parts, the indices
+    (uint32, ascending) and the counts (int8, or int16 when an element moved 128 thresholds
+    or more). That is 5 bytes per element that moved, however far it moved. (Strom's one
+    code of +-tau per element and message suits gradients, which a residual accumulates; a
+    copy that lags by k thresholds would need k such codes, 4k bytes.) Where those parts
+    would be larger than the ``int8`` message (1 byte per element plus a scale per
+    ``block``: early in training, when nearly every weight moves past the threshold between
+    two pulls), the answer is ``int8`` instead, named in the message: a quarter of a dense
+    copy.
 
     Right after a delta, each element of ``current - known`` is bounded by:
 
-    - ``threshold``: less than the answer's threshold (passes of the codec are repeated until
-      nothing is left at or above it; each pass is one part, its indices ascending);
-    - ``int8``: half a quantization step, ``max|diff| / 254`` over the element's block
-      (plus float32 rounding);
+    - ``threshold``: less than the answer's threshold (up to float32 rounding);
+    - ``int8`` (also a ``threshold`` link's fallback): half a quantization step,
+      ``max|diff| / 254`` over the element's block (plus float32 rounding);
     - ``onebit``: ``max|diff|`` over the element's block (each sign gets its block's mean).
 
     The threshold (:meth:`threshold_for`) is ``tau`` when given. By default (``tau=None``) it
@@ -285,27 +295,25 @@ class DeltaCodec:
     off by ten times the weights (784-64-10 MLP on mnist5k, 4 replicas, 3 epochs: 58%
     held out against 92% uncompressed).
 
-    Why 10%: a pull costs about ``4 * sum|diff| / threshold`` bytes (an element that moved k
-    thresholds takes k codes), so the threshold trades bytes against the copy's error.
-    Measured on that job (threshold pushes at tau 0.2 / 0.01): 1% of the RMS compresses
-    nothing (nearly every early answer would need more codes than a dense copy, or more
-    than ``max_parts`` passes, and goes dense); 5% cuts pulled bytes 12x; 10% 27x / 8x with
-    held-out accuracy that of dense pulls within run-to-run noise; 30% 40x but costs
-    accuracy (about 1 point). Why the weights and not the gap between the copies (a
-    threshold adapted to how far each replica's copy lags)? What the copy's error costs is
-    its size relative to the weights; a gap-driven threshold grows with the updates, so
-    the fast early phase of training would get the coarsest copies.
+    Why 10%: the threshold trades bytes against the copy's error. Measured on that job with
+    the one-code-per-threshold coding this class used before (threshold pushes at tau
+    0.2 / 0.01): 1% of the RMS compressed nothing; 5% cut pulled bytes 12x; 10% 27x / 8x
+    with held-out accuracy that of dense pulls within run-to-run noise; 30% 40x but cost
+    about 1 point. Why the weights and not the gap between the copies (a threshold adapted
+    to how far each replica's copy lags)? What the copy's error costs is its size relative
+    to the weights; a gap-driven threshold grows with the updates, so the fast early phase
+    of training would get the coarsest copies.
 
     The threshold travels with each answer (``ParamsDelta.tau``) and the replica decodes
-    with the shard's value. The threshold codec runs at 1 on ``diff / threshold``, and a
-    decode is whole counts times the threshold: the same float32 on both sides.
+    with the shard's value; a decode is whole counts times the threshold: the same float32
+    on both sides.
 
-    :meth:`encode` returns None where a dense copy is smaller (or the threshold passes
-    would exceed ``max_parts``, or the threshold is not a positive finite number, as for
-    all-zero parameters): the shard then sends its parameters instead.
+    :meth:`encode` returns None where the answer is a dense copy: the threshold is not a
+    positive finite number (as for all-zero parameters), or an element moved 32,768
+    thresholds or more.
     """
 
-    def __init__(self, name: CodecName, n: int, *, tau: float | None = None, block: int = 256, max_parts: int = 64,
+    def __init__(self, name: CodecName, n: int, *, tau: float | None = None, block: int = 256,
                  tau_fraction: float = AUTO_DELTA_TAU_FRACTION) -> None:
         if name == "none":
             raise ValueError("parameter deltas need a quantizing codec; 'none' pulls dense parameters")
@@ -317,18 +325,17 @@ class DeltaCodec:
         self.n = n
         self.tau = tau
         self.tau_fraction = tau_fraction
-        self.max_parts = max_parts
-        self._threshold = _core.ThresholdCodec(n, 1.0) if name == "threshold" else None
         self._onebit = _core.OneBitCodec(n, block) if name == "onebit" else None
-        self._int8 = _core.Int8Codec(n, block) if name == "int8" else None
-        self._zeros = np.zeros(n, dtype=np.float32) if name == "threshold" else None
+        # int8: the codec itself, or the threshold coding's fallback where its parts would be larger
+        self._int8 = _core.Int8Codec(n, block) if name in ("int8", "threshold") else None
+        self._int8_bytes = n + 4 * -(-n // block)
 
     def threshold_for(self, current: NDArray[np.float32]) -> float:
         """The threshold of an answer bringing a copy to ``current``: ``tau``, or ``tau_fraction`` of its RMS.
 
         0.0 for the codecs without a threshold (``int8`` and ``onebit`` scale per block).
         """
-        if self._threshold is None:
+        if self.name != "threshold":
             return 0.0
         if self.tau is not None:
             return self.tau
@@ -336,41 +343,49 @@ class DeltaCodec:
         rms = float(np.sqrt(np.dot(flat, flat) / max(flat.size, 1)))
         return float(np.float32(self.tau_fraction * rms))
 
-    def encode(self, diff: NDArray[np.float32], tau: float = 0.0) -> list[NDArray[np.uint8]] | None:
-        """The parts coding ``diff`` (float32, ``n`` elements) with threshold ``tau`` (``threshold`` only),
-        or None if dense is the better message."""
-        if self._threshold is not None:
-            assert self._zeros is not None
+    def encode(self, diff: NDArray[np.float32],
+               tau: float = 0.0) -> tuple[CodecName, list[NDArray[np.uint8]]] | None:
+        """The answer's codec and the parts coding ``diff`` (float32, ``n`` elements) with threshold ``tau``
+        (``threshold`` only), or None if the answer is dense."""
+        diff = np.ascontiguousarray(diff, dtype=np.float32)
+        if self.name == "threshold":
             if not (tau > 0.0 and np.isfinite(tau)):
                 return None
-            self._threshold.reset()
-            parts: list[NDArray[np.uint8]] = []
-            codes = self._threshold.encode(np.ascontiguousarray(diff, dtype=np.float32) / np.float32(tau))
-            total = 0
-            while codes.size:
-                total += int(codes.size)
-                if total >= self.n or len(parts) == self.max_parts:
-                    return None
-                parts.append(codes.view(np.uint8))
-                codes = self._threshold.encode(self._zeros)
-            return parts
-        if self._onebit is not None:
+            counts = np.trunc(diff / np.float32(tau))
+            index = np.flatnonzero(counts)
+            moved = counts[index]
+            largest = float(np.abs(moved).max()) if index.size else 0.0
+            if largest >= 32768:
+                return None
+            width = np.int8 if largest < 128 else np.int16
+            if index.size * (4 + np.dtype(width).itemsize) < self._int8_bytes:
+                return "threshold", [index.astype(np.uint32).view(np.uint8), moved.astype(width).view(np.uint8)]
+        elif self._onebit is not None:
             self._onebit.reset()
-            return [self._onebit.encode(diff)]
+            return "onebit", [self._onebit.encode(diff)]
         assert self._int8 is not None
-        return [self._int8.encode(diff)]
+        return "int8", [self._int8.encode(diff)]
 
-    def decode(self, parts: list[NDArray[np.uint8]], tau: float = 0.0) -> NDArray[np.float32]:
-        """The dense delta ``parts`` code (what both sides add to their copy); ``tau``: the encode's threshold."""
-        if self._threshold is not None:
-            counts = np.zeros(self.n, dtype=np.float32)
-            for part in parts:
-                codes = _aligned_view(part, np.uint32).astype(np.uint32, copy=False)
-                counts += self._threshold.decode(codes)
-            counts *= np.float32(tau)
-            return counts
+    def decode(self, parts: list[NDArray[np.uint8]], tau: float = 0.0,
+               codec: str | None = None) -> NDArray[np.float32]:
+        """The dense delta ``parts`` code (what both sides add to their copy); ``tau``: the encode's
+        threshold; ``codec``: the answer's (default: this link's own)."""
+        codec = self.name if codec is None else codec
+        if codec == "threshold" and self.name == "threshold":
+            if len(parts) != 2:
+                raise ValueError(f"a threshold delta is two parts (indices, counts), got {len(parts)}")
+            index = _aligned_view(parts[0], np.uint32)
+            out = np.zeros(self.n, dtype=np.float32)
+            if index.size:
+                width = parts[1].nbytes // index.size
+                if width not in (1, 2) or parts[1].nbytes != width * index.size:
+                    raise ValueError(f"a threshold delta of {index.size} indices has {parts[1].nbytes} count bytes")
+                counts = _aligned_view(parts[1], np.int8 if width == 1 else np.int16)
+                out[index] = counts.astype(np.float32) * np.float32(tau)
+            return out
         if len(parts) != 1:
-            raise ValueError(f"a {self.name} delta is one part, got {len(parts)}")
-        core = self._onebit if self._onebit is not None else self._int8
-        assert core is not None
+            raise ValueError(f"a {codec} delta is one part, got {len(parts)}")
+        core = self._onebit if codec == "onebit" else self._int8 if codec == "int8" else None
+        if core is None:
+            raise ValueError(f"a {self.name} link cannot decode a {codec} delta")
         return core.decode(np.ascontiguousarray(parts[0], dtype=np.uint8).reshape(-1))

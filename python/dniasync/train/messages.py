@@ -55,8 +55,8 @@ class ParamsDelta:
     """A PS shard's parameters as of ``version``: dense, or a quantized delta to add to the previous answer's.
 
     ``dense``: ``parts`` is ``[values]`` (float32). Otherwise ``parts`` are the payloads of
-    codec ``codec`` whose decoded sum (:meth:`~dniasync.train.compression.DeltaCodec.decode`)
-    the replica adds to its copy. ``stream`` (the shard's incarnation) and ``seq`` name this
+    codec ``codec`` (the link's, or ``int8`` where a threshold delta would be larger) whose
+    decode (:meth:`~dniasync.train.compression.DeltaCodec.decode`) the replica adds to its copy. ``stream`` (the shard's incarnation) and ``seq`` name this
     answer for the next :class:`PullDelta`. ``tau``: the threshold the shard coded this delta
     with (``threshold`` only; the shard chooses it per answer, the replica decodes with it).
     """

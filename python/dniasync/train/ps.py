@@ -193,26 +193,27 @@ class PSShard(Actor):
         self.pulls += 1
         self._seq += 1
         follower = self.followers.get(msg.replica)
-        parts = None
+        coded = None
         tau = 0.0
         if (self.delta_codec is not None and follower is not None and msg.stream == self.stream
                 and msg.incarnation == follower.incarnation and msg.seq == follower.seq
                 and follower.deltas_since_dense + 1 < self.resync_every):
             tau = self.delta_codec.threshold_for(current)
-            parts = self.delta_codec.encode(current - follower.known, tau)
-        if parts is None or follower is None:
+            coded = self.delta_codec.encode(current - follower.known, tau)
+        if coded is None or follower is None:
             # a copy: a local replica receives ``current`` itself, and ``known`` changes in place
             self.followers[msg.replica] = _Follower(msg.incarnation, self._seq, current.copy())
             self.bytes_out += int(current.nbytes)
             self.dense_pulls += 1
             return ParamsDelta(self.shard, version, self.stream, self._seq, True, "none", [current])
         assert self.delta_codec is not None
-        follower.known += self.delta_codec.decode(parts, tau)  # exactly what the replica adds to its copy
+        codec, parts = coded
+        follower.known += self.delta_codec.decode(parts, tau, codec)  # exactly what the replica adds to its copy
         follower.seq = self._seq
         follower.deltas_since_dense += 1
         self.bytes_out += sum(int(part.nbytes) for part in parts)
         self.delta_pulls += 1
-        return ParamsDelta(self.shard, version, self.stream, self._seq, False, self.delta_codec.name, parts, tau)
+        return ParamsDelta(self.shard, version, self.stream, self._seq, False, codec, parts, tau)
 
     @handler
     def snapshot(self, msg: SnapshotShard) -> ShardSnapshot:
