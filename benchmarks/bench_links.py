@@ -35,6 +35,11 @@ Adagrad lr 0.05 (the Downpour PS's optimizer) everywhere:
 - ``downpour_codec``: examples/downpour_mnist_threshold.toml with 4 replicas
   (h1-h4) and its 2 PS shards and the coordinator on h0: Strom's threshold
   codec on pushes (tau 0.02) and threshold-coded parameter deltas on pulls;
+- ``downpour_local``: examples/downpour_local_threshold_mnist.toml, placed the
+  same way: Downpour with local steps (each replica steps its own Adagrad 8
+  times, then pushes the pseudo-gradient; the shards apply it with Nesterov,
+  outer lr 0.7, momentum 0.5) and the threshold codec both ways (tau 0.02 on
+  pushes, 0.01 on pulled deltas);
 - ``p2p`` / ``p2p_local``: dniasync's peer-to-peer mode (``job.mode = "p2p"``,
   examples/p2p_mnist.toml with 4 peers on h1-h4, the coordinator on h0), with
   the threshold codec, and with local steps and an outer optimizer (DiLoCo).
@@ -70,8 +75,8 @@ training. Final accuracy = the last snapshot's (the end of training).
 
 Ratios (bigger is better), for each link: ``<method>_vs_ddp_<link>`` = DDP's
 time to 92% / the method's, and ``<method>_vs_ddp_powersgd_<link>`` with
-DDP+PowerSGD's, for downpour_codec, p2p and p2p_local; ``best_vs_ddp_50mbit``
-and ``best_vs_ddp_powersgd_50mbit`` for the fastest of the three. A ratio is
+DDP+PowerSGD's, for downpour_codec, downpour_local, p2p and p2p_local;
+``best_vs_ddp_50mbit`` and ``best_vs_ddp_powersgd_50mbit`` for the fastest of them. A ratio is
 left out (and named in results.ratios_missing) when either side did not reach
 92% within the samples. ``--quick``: the 50 Mbit/s link only, 1 epoch (none reaches 92%).
 """
@@ -111,12 +116,14 @@ SNAPSHOT_EVERY = 256
 """Samples (all processes together) between two snapshots of the weights; 8 batches of 32."""
 COORDINATOR_PORT = 7000
 TORCH_PORT = 29500
-SYSTEMS = ["ddp", "ddp_powersgd", "hivemind", "downpour_codec", "p2p", "p2p_local"]
+SYSTEMS = ["ddp", "ddp_powersgd", "hivemind", "downpour_codec", "downpour_local", "p2p", "p2p_local"]
 TORCH_SYSTEMS = ("ddp", "ddp_powersgd", "hivemind")
-METHODS = ("downpour_codec", "p2p", "p2p_local")
+METHODS = ("downpour_codec", "downpour_local", "p2p", "p2p_local")
 """dniasync's systems: the ratios' numerators."""
 BASELINES = ("ddp", "ddp_powersgd")
 P2P_EXAMPLE = "p2p_mnist.toml"
+DOWNPOUR_EXAMPLES = {"downpour_codec": "downpour_mnist_threshold.toml",
+                     "downpour_local": "downpour_local_threshold_mnist.toml"}
 P2P_LOCAL_STEPS = 8
 """p2p_local: inner steps per outer step, when the example does not set more than 1."""
 LABELS = {
@@ -124,6 +131,7 @@ LABELS = {
     "ddp_powersgd": f"torch DDP + PowerSGD (rank {_links_torch.POWERSGD_RANK})",
     "hivemind": "hivemind.Optimizer (local updates)",
     "downpour_codec": "dniasync Downpour + threshold codec",
+    "downpour_local": "dniasync Downpour + local steps + threshold codec",
     "p2p": "dniasync p2p + threshold codec",
     "p2p_local": "dniasync p2p + local steps (DiLoCo)",
 }
@@ -220,7 +228,7 @@ def dniasync_config(system: str, out: Path, epochs: int, max_seconds: float) -> 
     ``n_replicas`` of the mode's section), the threshold codec and ``local_steps`` (1 for ``p2p``;
     for ``p2p_local`` the example's if above 1, else P2P_LOCAL_STEPS), wherever the example keeps them.
     """
-    example = "downpour_mnist_threshold.toml" if system == "downpour_codec" else P2P_EXAMPLE
+    example = DOWNPOUR_EXAMPLES.get(system, P2P_EXAMPLE)
     doc = job_config(example, out, seconds=max_seconds)
     doc["job"]["name"] = system
     doc["stop"] = {"max_epochs": epochs, "max_seconds": max_seconds}
@@ -255,7 +263,7 @@ def run_dniasync(hosts: Hosts, system: str, run: Path, epochs: int, max_seconds:
         config = load_config(cfg)
     except ConfigError as exc:
         raise RunFailed(f"the job config was refused: {exc}") from exc
-    needs_ps = getattr(config, "sync_needs_ps", system == "downpour_codec")
+    needs_ps = getattr(config, "sync_needs_ps", system in DOWNPOUR_EXAMPLES)
     n_ps = int(doc[config.mode].get("n_ps_shards", 0)) if needs_ps else 0
     # PS shards and the coordinator on the server h0; without PS the coordinator sits on h1, beside a peer
     # (evaluation snapshots then need not cross a link)
@@ -485,11 +493,15 @@ def main() -> None:
                      "averaging_timeout": _links_torch.HIVEMIND_AVERAGING_TIMEOUT_S,
                      "state_averaging_compression": "Float16Compression"},
         "downpour_codec": "examples/downpour_mnist_threshold.toml, 4 replicas (h1-h4), 2 PS shards + coordinator on h0",
+        "downpour_local": "examples/downpour_local_threshold_mnist.toml, 4 replicas (h1-h4), 2 PS shards + coordinator on h0",
         "p2p": f"examples/{P2P_EXAMPLE}, 4 peers (h1-h4), coordinator on h0",
         "p2p_local_steps": P2P_LOCAL_STEPS,
     }
     results["ratios_missing"] = ratios_missing
-    path = _common.write("bench_links", args.quick, results, ratios)
+    # a run of a subset (--systems / --links / --epochs) writes beside the full run's results, never over them
+    partial = set(systems) != set(SYSTEMS) or set(links) != set(LINKS if not args.quick else ["50mbit"]) \
+        or args.epochs is not None
+    path = _common.write("bench_links_partial" if partial else "bench_links", args.quick, results, ratios)
     png = path.with_suffix(".png")
     plot(results, links, png, epochs)
 
