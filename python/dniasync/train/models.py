@@ -23,6 +23,8 @@ __all__ = [
     "check_kwargs",
     "cnn",
     "count_parameters",
+    "fasttext",
+    "kim_cnn",
     "mlp",
     "resolve_factory",
 ]
@@ -103,6 +105,50 @@ def cnn(
         c_in, h, w = c, h // 2, w // 2
     layers += [nn.Flatten(), nn.Linear(c_in * h * w, hidden), nn.ReLU(), nn.Linear(hidden, classes)]
     return nn.Sequential(*layers)
+
+
+def fasttext(vocab_size: int = 8192, dim: int = 64, classes: int = 5, mode: str = "mean") -> nn.Sequential:
+    """A bag-of-embeddings classifier (fastText, Joulin et al. 2017) over rows of token ids ``[B, L]`` (0 = padding).
+
+    Layers: 0 ``EmbeddingBag`` (``mode`` mean or sum over a row's non-padding tokens), 1 ``Linear(classes)``;
+    a pipeline may cut between them.
+    """
+    if mode not in ("mean", "sum"):
+        raise ValueError(f"fasttext mode must be 'mean' or 'sum', got {mode!r}")
+    return nn.Sequential(nn.EmbeddingBag(vocab_size, dim, mode=mode, padding_idx=0), nn.Linear(dim, classes))
+
+
+class _Channels(nn.Module):
+    """``[B, L, D]`` embeddings to ``[B, D, L]`` channels for ``Conv1d``."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.transpose(1, 2)
+
+
+class _MultiWidthConv(nn.Module):
+    """Kim's convolutions: per width a ``Conv1d`` + ReLU + max over time, concatenated."""
+
+    def __init__(self, dim: int, channels: int, widths: Sequence[int]) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv1d(dim, channels, w, padding=w // 2) for w in widths)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.relu(conv(h)).amax(dim=2) for conv in self.convs], dim=1)
+
+
+def kim_cnn(vocab_size: int = 8192, dim: int = 64, channels: int = 64, widths: Sequence[int] = (3, 4, 5),
+            classes: int = 5, dropout: float = 0.5) -> nn.Sequential:
+    """A 1-D convolutional text classifier (Kim 2014) over rows of token ids ``[B, L]`` (0 = padding).
+
+    Layers: 0 ``Embedding``, 1 to channels, 2 convolutions of each width with max-over-time pooling,
+    3 ``Dropout``, 4 ``Linear(classes)``: one ``nn.Sequential`` a pipeline can cut at any of them.
+    """
+    widths = list(widths)
+    if not widths or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
+        raise ValueError(f"kim_cnn widths must be positive ints, got {widths}")
+    return nn.Sequential(nn.Embedding(vocab_size, dim, padding_idx=0), _Channels(),
+                         _MultiWidthConv(dim, channels, widths), nn.Dropout(dropout),
+                         nn.Linear(channels * len(widths), classes))
 
 
 def resolve_factory(spec: str) -> Callable[..., Any]:
