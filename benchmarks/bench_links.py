@@ -36,7 +36,7 @@ Adagrad lr 0.05 (the Downpour PS's optimizer) everywhere:
   (h1-h4) and its 2 PS shards and the coordinator on h0: Strom's threshold
   codec on pushes (tau 0.02) and threshold-coded parameter deltas on pulls;
 - ``downpour_local``: examples/downpour_local_threshold_mnist.toml, placed the
-  same way: Downpour with local steps (each replica steps its own Adagrad 8
+  same way: Downpour with local steps (each replica steps its own Adagrad 4
   times, then pushes the pseudo-gradient; the shards apply it with Nesterov,
   outer lr 0.7, momentum 0.5) and the threshold codec both ways (tau 0.02 on
   pushes, 0.01 on pulled deltas);

@@ -512,3 +512,31 @@ async def test_a_replica_that_missed_an_answer_or_meets_a_new_shard_gets_a_dense
         again._answers = list(link._answers)
         assert await again.pull()
         assert (again.dense_pulls, again.delta_pulls) == (1, 0)
+
+
+async def test_a_replica_that_holds_the_values_a_shard_started_from_gets_a_delta_at_its_first_pull() -> None:
+    """Every process builds the same seeded model: a replica's first pull names its copy by digest, and the
+    shard that started from those values answers with the change since then (a delta) instead of a dense copy;
+    a replica whose copy differs (another seed, a shard restarted elsewhere) gets the dense copy."""
+    from dniasync.train.ps import PSShard
+    from dniasync.train.specs import CodecSpec, OptimizerSpec, ShardSpec
+
+    start = np.random.default_rng(5).normal(0, 0.1, DELTA_N).astype(np.float32)
+    spec = ShardSpec(0, 0, start.copy(), OptimizerSpec("adagrad", 0.05), CodecSpec("threshold", 0.01, 256, DELTA_TAU, 1000))
+    grad = np.zeros(DELTA_N, dtype=np.float32)
+    grad[:50] = 1.0
+    async with ActorSystem() as system:
+        shard = await system.spawn(PSShard, spec, name="ps-0")
+        other = ShardLink(np.zeros(DELTA_N, dtype=np.float32), [(0, DELTA_N)], [shard], replica="r1", incarnation=1,
+                          codec="threshold", tau=0.01)
+        await other.push(grad, samples=32)  # the shard moved on from its start before r0 first pulls
+        buffer = start.copy()
+        link = ShardLink(buffer, [(0, DELTA_N)], [shard], replica="r0", incarnation=1, codec="threshold", tau=0.01)
+        assert await link.pull()
+        assert (link.dense_pulls, link.delta_pulls) == (0, 1)
+        truth = (await dense(shard)).values
+        assert not np.array_equal(truth, start) and np.abs(truth - buffer).max() < DELTA_TAU * (1 + 1e-5)
+        assert link.bytes_pulled < 4 * DELTA_N / 10
+        assert await other.pull()  # a copy of other values: dense
+        assert (other.dense_pulls, other.delta_pulls) == (1, 0)
+        np.testing.assert_array_equal(other.buffer, truth)

@@ -19,6 +19,7 @@ quantized parameter deltas instead of its dense parameters.
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from math import prod
@@ -40,6 +41,7 @@ __all__ = [
     "OneBitCodec",
     "ThresholdCodec",
     "make_codec",
+    "values_digest",
 ]
 
 CodecName = Literal["none", "threshold", "onebit", "int8"]
@@ -257,6 +259,11 @@ def make_codec(
 
 AUTO_DELTA_TAU_FRACTION = 0.1
 """Default threshold of pulled parameter deltas: this fraction of the shard's parameter RMS (:class:`DeltaCodec`)."""
+
+
+def values_digest(values: NDArray[np.float32]) -> str:
+    """A digest of float32 ``values``, bit for bit: a replica and a PS shard compare their copies with it."""
+    return hashlib.blake2b(np.ascontiguousarray(values, dtype=np.float32).tobytes(), digest_size=16).hexdigest()
 
 
 class DeltaCodec:

@@ -41,12 +41,17 @@ class PullDelta:
     ``stream`` and ``seq`` echo that answer (0 and 0 before the first): if they are not the
     shard's last answer to this replica's ``incarnation`` (a restart of either side, a lost
     reply), the replica does not hold what the shard thinks it holds, and the answer is dense.
+    ``digest``, sent before the first answer: :func:`~dniasync.train.compression.values_digest`
+    of the replica's copy of the shard's range. Where it is the digest of the values the shard
+    started from (every process builds the same seeded model), the first answer is a delta
+    from those instead of a dense copy.
     """
 
     replica: str
     incarnation: int
     stream: int
     seq: int
+    digest: str = ""
 
 
 @message("dniasync.train.ParamsDelta")
@@ -56,8 +61,8 @@ class ParamsDelta:
 
     ``dense``: ``parts`` is ``[values]`` (float32). Otherwise ``parts`` are the payloads of
     codec ``codec`` (the link's, or ``int8`` where a threshold delta would be larger) whose
-    decode (:meth:`~dniasync.train.compression.DeltaCodec.decode`) the replica adds to its copy. ``stream`` (the shard's incarnation) and ``seq`` name this
-    answer for the next :class:`PullDelta`. ``tau``: the threshold the shard coded this delta
+    decode (:meth:`~dniasync.train.compression.DeltaCodec.decode`) the replica adds to its copy.
+    ``stream`` (the shard's incarnation) and ``seq`` name this answer for the next :class:`PullDelta`. ``tau``: the threshold the shard coded this delta
     with (``threshold`` only; the shard chooses it per answer, the replica decodes with it).
     """
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import _core
 from ..actors import Actor, handler
-from .compression import Codec, CompressedTensor, DeltaCodec, make_codec
+from .compression import Codec, CompressedTensor, DeltaCodec, make_codec, values_digest
 from .messages import (
     Fence,
     Params,
@@ -113,6 +113,10 @@ class PSShard(Actor):
             self.codecs[codec.name] = make_codec(codec.name, self.n, tau=codec.tau, block=codec.block)  # type: ignore[arg-type]
         self.delta_codec = (DeltaCodec(codec.name, self.n, tau=codec.delta_tau, block=codec.block)  # type: ignore[arg-type]
                             if codec.name != "none" else None)
+        # the values this shard starts from (a replica holding them gets a delta, not a copy, at its first pull)
+        self._start = (np.ascontiguousarray(values, dtype=np.float32).reshape(-1).copy()
+                       if self.delta_codec is not None else None)
+        self._start_digest = values_digest(self._start) if self._start is not None else ""
 
     async def on_start(self) -> None:
         track_ps_shard(self.system, self, STALENESS_BUCKETS)
@@ -195,8 +199,15 @@ class PSShard(Actor):
         follower = self.followers.get(msg.replica)
         coded = None
         tau = 0.0
-        if (self.delta_codec is not None and follower is not None and msg.stream == self.stream
-                and msg.incarnation == follower.incarnation and msg.seq == follower.seq
+        holds = (follower is not None and msg.stream == self.stream and msg.incarnation == follower.incarnation
+                 and msg.seq == follower.seq)
+        if (not holds and self._start is not None and msg.digest == self._start_digest
+                and (msg.stream, msg.seq) == (0, 0)):
+            # a first pull from a replica whose copy is what this shard started from: code the change since then
+            follower = _Follower(msg.incarnation, 0, self._start.copy())
+            self.followers[msg.replica] = follower
+            holds = True
+        if (self.delta_codec is not None and follower is not None and holds
                 and follower.deltas_since_dense + 1 < self.resync_every):
             tau = self.delta_codec.threshold_for(current)
             coded = self.delta_codec.encode(current - follower.known, tau)

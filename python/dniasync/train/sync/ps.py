@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from ...actors import ActorError, ActorRef, Backoff
-from ..compression import CodecName, DeltaCodec, make_codec
+from ..compression import CodecName, DeltaCodec, make_codec, values_digest
 from ..flat import FlatModel, flatten_parameters, split_ranges
 from ..messages import Params, ParamsDelta, Pull, PullDelta, Push
 from ..specs import CodecSpec, OptimizerSpec, PSLinkSpec
@@ -169,14 +169,19 @@ class ShardLink:
     async def _pull_one(self, i: int) -> bool:
         if not self._backoff[i].ready():
             return False
-        ask = Pull() if self.deltas is None else PullDelta(self.replica, self.incarnation, *self._answers[i])
+        offset, length = self.ranges[i]
+        if self.deltas is None:
+            ask: Pull | PullDelta = Pull()
+        else:  # before a first answer, say what the copy holds (the seeded init: the shard may hold it too)
+            first = self._answers[i] == (0, 0)
+            digest = values_digest(self.buffer[offset:offset + length]) if first else ""
+            ask = PullDelta(self.replica, self.incarnation, *self._answers[i], digest)
         try:
             reply = await self.shards[i].ask(ask, timeout=self.ask_timeout_s)
         except ActorError as exc:  # a delta it may have recorded is never applied: the next echo asks for dense
             self._failed(i, "pull from", exc)
             return False
         self._answered(i)
-        offset, length = self.ranges[i]
         target = self.buffer[offset:offset + length]  # the model's parameters are views of the buffer
         if isinstance(reply, Params):
             np.copyto(target, reply.values)
