@@ -123,3 +123,22 @@ def test_plot_several_runs(tmp_path: Path) -> None:
     assert path.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ReportError, match="1 labels for 2 reports"):
         plot_reports([_run(), other], tmp_path / "x.png", labels=["one"])
+
+
+@pytest.mark.parametrize(("first", "drawn"), [((32, 784), True), ((8, 1, 5, 5), True), ((32, 64 * 3), False)])
+def test_a_job_draws_its_first_layer_filters_where_they_make_images(tmp_path: Path, first: tuple[int, ...],
+                                                                     drawn: bool) -> None:
+    """An MLP over 28x28 digits (rows as 28x28 images) and a conv net (kernels) get ``filters.png`` beside their
+    final weights; a first layer whose inputs are not a square image gets none."""
+    import numpy as np
+
+    report = _run()
+    rng = np.random.default_rng(0)
+    report.set_final_weights({"0.weight": rng.normal(size=first).astype(np.float32),
+                              "0.bias": np.zeros(first[0], dtype=np.float32)})
+    report.write_outputs(tmp_path)
+    assert (tmp_path / "final_weights.safetensors").exists()
+    png = tmp_path / "filters.png"
+    assert png.exists() == drawn
+    if drawn:
+        assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5_000

@@ -21,6 +21,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
 
+import numpy as np
+
 __all__ = [
     "EVENT_BATCH_SIZE",
     "EVENT_PS_RESTARTED",
@@ -39,6 +41,9 @@ __all__ = [
 
 SUMMARY_FORMAT: Final = 1
 FINAL_WEIGHTS_FILE: Final = "final_weights.safetensors"
+FILTERS_FILE: Final = "filters.png"
+MAX_FILTERS: Final = 16
+"""Filters drawn per row of a filters PNG."""
 """The model's weights at the last evaluation (state-dict names), beside the summary when the mode gives them."""
 
 EVENT_REPLICA_FAILED: Final = "replica_failed"
@@ -263,8 +268,9 @@ class RunReport:
         return plot_reports([self], path)
 
     def write_outputs(self, out_dir: str | Path) -> Path:
-        """A job's outputs: ``summary.json``, ``accuracy.png`` (and the final weights, if set) in ``out_dir``;
-        the summary's path."""
+        """A job's outputs in ``out_dir``: ``summary.json``, ``accuracy.png``, and with final weights set,
+        those (``final_weights.safetensors``) and, where the first layer's weights make images (a conv
+        layer, or a linear layer over a square image), ``filters.png``; the summary's path."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.plot(out / "accuracy.png")
@@ -274,6 +280,9 @@ class RunReport:
             tmp = out / f".{FINAL_WEIGHTS_FILE}.tmp"
             safetensors.numpy.save_file(self._final_weights, str(tmp))
             tmp.replace(out / FINAL_WEIGHTS_FILE)
+            filters = first_layer({k: np.asarray(v) for k, v in self._final_weights.items()})
+            if filters is not None:
+                plot_filter_rows([(f"{self.job} ({self.mode})", filters[:MAX_FILTERS])], out / FILTERS_FILE)
         return self.write_summary(out / "summary.json")
 
     @classmethod
@@ -312,6 +321,48 @@ def load_summary(path: str | Path) -> RunReport:
     if not isinstance(data, dict):
         raise ReportError(f"{path}: summary must be a JSON object")
     return RunReport.from_dict(data)
+
+
+def first_layer(weights: Mapping[str, np.ndarray]) -> np.ndarray | None:
+    """The first layer's filters as images (filters, height, width): a conv layer's kernels (mean over input
+    channels), or a linear layer's rows when its inputs make a square image; None otherwise."""
+    for name, w in weights.items():
+        if not name.endswith("weight"):
+            continue
+        if w.ndim == 4:
+            return np.asarray(w.mean(axis=1))
+        if w.ndim == 2:
+            side = math.isqrt(w.shape[1])
+            return np.asarray(w.reshape(w.shape[0], side, side)) if side * side == w.shape[1] else None
+        return None
+    return None
+
+
+def plot_filter_rows(rows: Sequence[tuple[str, np.ndarray]], path: str | Path) -> Path:
+    """A PNG of first-layer filters: a row per (label, filters (n, height, width)), each filter scaled to its
+    own range (red +, blue -). The job's ``filters.png``, and ``compare``'s with a row per method."""
+    from matplotlib.figure import Figure
+
+    cols = max(len(f) for _, f in rows)
+    fig = Figure(figsize=(1.0 * cols + 2.2, 1.1 * len(rows) + 0.6))
+    axes: Any = fig.subplots(len(rows), cols, squeeze=False)
+    for i, (label, filters) in enumerate(rows):
+        for j in range(cols):
+            ax = axes[i][j]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if j < len(filters):
+                f = filters[j]
+                scale = float(np.abs(f).max()) or 1.0
+                ax.imshow(f, cmap="RdBu_r", vmin=-scale, vmax=scale, interpolation="nearest")
+            else:
+                ax.axis("off")
+        axes[i][0].set_ylabel(label, rotation=0, ha="right", va="center", fontsize="small")
+    fig.suptitle("first-layer filters at the end of training (each scaled to its own range; red +, blue -)")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=80, format="png")
+    return out
 
 
 def plot_reports(

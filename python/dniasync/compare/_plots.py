@@ -3,18 +3,15 @@ seeds as a band), and the first layer's filters of each method side by side."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from ..cluster.report import MAX_FILTERS, first_layer, plot_filter_rows
 from ._run import RunResult
 
 __all__ = ["plot_curves", "plot_filters"]
-
-_MAX_FILTERS = 16
 
 
 def _curves(results: Sequence[RunResult], x_key: str) -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
@@ -75,25 +72,9 @@ def plot_curves(results: Sequence[RunResult], methods: Sequence[str], targets: S
     return written
 
 
-def first_layer(weights: dict[str, np.ndarray]) -> np.ndarray | None:
-    """The first layer's filters as images (filters, height, width): a conv layer's kernels (mean over input
-    channels), or a linear layer's rows when its inputs make a square image; None otherwise."""
-    for name, w in weights.items():
-        if not name.endswith("weight"):
-            continue
-        if w.ndim == 4:
-            return np.asarray(w.mean(axis=1))
-        if w.ndim == 2:
-            side = math.isqrt(w.shape[1])
-            return np.asarray(w.reshape(w.shape[0], side, side)) if side * side == w.shape[1] else None
-        return None
-    return None
-
-
 def plot_filters(results: Sequence[RunResult], methods: Sequence[str], out: Path) -> Path | None:
     """``filters.png``: a row per method (its first finished seed), up to 16 first-layer filters each."""
     import safetensors.numpy
-    from matplotlib.figure import Figure
 
     rows: list[tuple[str, np.ndarray]] = []
     for method in methods:
@@ -103,26 +84,7 @@ def plot_filters(results: Sequence[RunResult], methods: Sequence[str], out: Path
             continue
         filters = first_layer(safetensors.numpy.load_file(str(Path(run.run_dir) / "final_weights.safetensors")))
         if filters is not None:
-            rows.append((f"{method} (seed {run.seed})", filters[:_MAX_FILTERS]))
+            rows.append((f"{method} (seed {run.seed})", filters[:MAX_FILTERS]))
     if not rows:
         return None
-    cols = max(len(f) for _, f in rows)
-    fig = Figure(figsize=(1.0 * cols + 2.2, 1.1 * len(rows) + 0.6))
-    axes: Any = fig.subplots(len(rows), cols, squeeze=False)
-    for i, (label, filters) in enumerate(rows):
-        for j in range(cols):
-            ax = axes[i][j]
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if j < len(filters):
-                f = filters[j]
-                scale = float(np.abs(f).max()) or 1.0
-                ax.imshow(f, cmap="RdBu_r", vmin=-scale, vmax=scale, interpolation="nearest")
-            else:
-                ax.axis("off")
-        axes[i][0].set_ylabel(label, rotation=0, ha="right", va="center", fontsize="small")
-    fig.suptitle("first-layer filters at the end of training (each scaled to its own range; red +, blue -)")
-    fig.tight_layout()
-    path = out / "filters.png"
-    fig.savefig(path, dpi=80, format="png")
-    return path
+    return plot_filter_rows(rows, out / "filters.png")
