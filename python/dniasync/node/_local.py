@@ -28,9 +28,10 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from ..actors import ActorError, ActorSystem
 from ..chaos import PROXY_ENV, ChaosControl
@@ -39,7 +40,7 @@ from ..cluster.modes import get_mode
 from ..remote import WebSocketTransport
 from ..cluster.protocol import COORDINATOR_NAME, JobStatus, JobStatusReply
 
-__all__ = ["run_local"]
+__all__ = ["Placement", "run_local"]
 
 _LISTENING = re.compile(r"listening on (\S+)")
 STARTUP_TIMEOUT_S = 120.0
@@ -49,6 +50,24 @@ PROMETHEUS_TARGETS = "prometheus_targets.json"
 
 RESTART_LIMIT = 3
 RESTART_WINDOW_S = 60.0
+
+
+class Placement(Protocol):
+    """Where the launcher puts each process instead of loopback (``--emulate``: a host of its own)."""
+
+    token: bytes
+    """The cluster token every process is given (their listeners are beyond loopback)."""
+    dilation: float
+    """Every time the job measures is this many times longer than it would be on the emulated nodes."""
+
+    def args(self, role: str, index: int) -> list[str]:
+        """Command-line options for the process (``--listen``, ``--token-file``); the launcher's own come after."""
+
+    def preexec(self, role: str, index: int) -> Callable[[], None]:
+        """Run in the child before exec: it enters its host and ends with the launcher."""
+
+    def finish(self, summary: Path) -> list[str]:
+        """Called on the job's summary before it is printed; lines to print after it."""
 
 
 class _Restarts:
@@ -84,6 +103,7 @@ class _Cluster:
     children: list[_Child] = field(default_factory=list)
     state: str = "starting"
     chaos: ChaosControl | None = None
+    placement: Placement | None = None
 
     def describe(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -153,11 +173,14 @@ async def _spawn(cluster: _Cluster, role: str, index: int, args: list[str], log:
     logs = cluster.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = log or logs / f"{role}{index}.log"
+    placement = cluster.placement
+    if placement is not None:
+        args = [*placement.args(role, index), *args]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dniasync.node", "--role", role, *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
         env=_child_env(), start_new_session=True,  # Ctrl-C reaches the launcher, which stops the children
-        preexec_fn=_end_with_launcher,
+        preexec_fn=_end_with_launcher if placement is None else placement.preexec(role, index),
     )
     child = _Child(role, proc, log, slot=f"{role}{index}")
     cluster.children.append(child)
@@ -179,7 +202,7 @@ async def _pump(child: _Child, listening: asyncio.Future[str] | None) -> None:
         listening.set_exception(RuntimeError(f"{child.role} exited before listening; see {child.log}"))
 
 
-def _bar(status: JobStatusReply, width: int = 24) -> str:
+def _bar(status: JobStatusReply, width: int = 24, dilation: float = 1.0) -> str:
     frac = min(1.0, status.epochs / max(status.max_epochs, 1))
     filled = int(frac * width)
     acc = "  -  " if status.accuracy is None else f"{100 * status.accuracy:5.2f}%"
@@ -188,8 +211,8 @@ def _bar(status: JobStatusReply, width: int = 24) -> str:
     members = get_mode(status.mode).member_kind + "s"  # the job's own word: replicas, stages
     return (
         f"[{'#' * filled}{'.' * (width - filled)}] epoch {status.epochs:5.2f}/{status.max_epochs} "
-        f"| held-out acc {acc} | loss {loss} | {status.samples_per_s:7,.0f} samples/s "
-        f"| {members} {alive}/{len(status.replicas)} | {status.wall_s:5.1f} s"
+        f"| held-out acc {acc} | loss {loss} | {status.samples_per_s * dilation:7,.0f} samples/s "
+        f"| {members} {alive}/{len(status.replicas)} | {status.wall_s / dilation:5.1f} s"
     )
 
 
@@ -306,8 +329,9 @@ class _Supervisor:
         self.cluster.write_files(self.config.job.name)
 
 
-async def _run(config_path: str, config: Config, out: IO[str], resume: bool) -> int:
-    cluster = _Cluster(Path(config.output_dir))
+async def _run(config_path: str, config: Config, out: IO[str], resume: bool, placement: Placement | None) -> int:
+    cluster = _Cluster(Path(config.output_dir), placement=placement)
+    dilation = 1.0 if placement is None else placement.dilation
     cluster.out.mkdir(parents=True, exist_ok=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -319,7 +343,8 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool) -> 
         if os.environ.get(PROXY_ENV, "") not in ("", "0"):
             cluster.chaos = ChaosControl()
             await cluster.chaos.start()
-        coordinator = await _spawn(cluster, "coordinator", 0, ["--config", config_path, "--listen", "127.0.0.1:0",
+        listen = ["--listen", "127.0.0.1:0"] if placement is None else []  # a placement says where
+        coordinator = await _spawn(cluster, "coordinator", 0, ["--config", config_path, *listen,
                                                                *(["--resume"] if resume else [])])
         listening: asyncio.Future[str] = loop.create_future()
         pumps.append(asyncio.create_task(_pump(coordinator, listening)))
@@ -338,7 +363,8 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool) -> 
               f"logs in {cluster.out / 'logs'}", file=out, flush=True)
         print(f"live page: http://{coordinator.address}/ (Prometheus targets: {cluster.out / PROMETHEUS_TARGETS})",
               file=out, flush=True)
-        async with ActorSystem() as system, WebSocketTransport(system, "127.0.0.1:0"):
+        token = None if placement is None else placement.token
+        async with ActorSystem() as system, WebSocketTransport(system, "127.0.0.1:0", token=token):
             trainer = system.ref(f"{COORDINATOR_NAME}@{coordinator.address}")
             status: JobStatusReply | None = None
             last_line = 0.0
@@ -361,14 +387,17 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool) -> 
                     cluster.state = status.state
                     cluster.write_files(config.job.name)
                 if status is not None and status.state != "waiting":
-                    line = _bar(status)
+                    line = _bar(status, dilation=dilation)
                     if interactive:
                         print("\r" + line, end="", file=out, flush=True)
                     elif time.monotonic() - last_line >= 5.0 or status.state == "finished":
                         print(line, file=out, flush=True)
                         last_line = time.monotonic()
                     if status.state in ("finished", "failed"):
+                        notes = [] if placement is None or not status.summary else placement.finish(Path(status.summary))
                         _summary(config, status, out)
+                        for note in notes:
+                            print(note, file=out)
                         return 0 if status.state == "finished" else 1
                 try:
                     await asyncio.wait_for(stop.wait(), 0.5)
@@ -380,6 +409,8 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool) -> 
             await cluster.stop()  # the coordinator writes the summary of what ran as it stops
             written = Path(config.output_dir) / "summary.json"
             if written.exists():
+                if placement is not None:
+                    placement.finish(written)
                 doc = json.loads(written.read_text())
                 print(f"  {doc.get('stop_reason')}; {doc.get('samples', 0):,} samples in {doc.get('wall_s', 0):.1f} s",
                       file=out)
@@ -399,8 +430,10 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool) -> 
             loop.remove_signal_handler(sig)
 
 
-def run_local(config_path: str, out: IO[str] = sys.stdout, *, resume: bool = False) -> int:
-    """Run the job at ``config_path`` on this machine; the process exit status."""
+def run_local(config_path: str, out: IO[str] = sys.stdout, *, resume: bool = False,
+              placement: Placement | None = None) -> int:
+    """Run the job at ``config_path`` on this machine (each process where ``placement`` says, by
+    default on loopback); the process exit status."""
     from ..runtime import run
 
     try:
@@ -408,4 +441,4 @@ def run_local(config_path: str, out: IO[str] = sys.stdout, *, resume: bool = Fal
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return run(_run(config_path, config, out, resume))
+    return run(_run(config_path, config, out, resume, placement))

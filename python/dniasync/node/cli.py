@@ -59,6 +59,8 @@ Options given on the command line win over the file. Other tables are left
 to the training layer.
 
 examples:
+  python -m dniasync.node --role local --config examples/downpour_mnist.toml
+  python -m dniasync.node --role local --config examples/downpour_mnist.toml --emulate 2:100mbit:5ms
   python -m dniasync.node --role coordinator --listen 127.0.0.1:7000
   python -m dniasync.node --role worker --join 127.0.0.1:7000 --spawn dniasync.node.demo:Echo=echo
 
@@ -159,6 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="connections open from one peer address at once (default 64)",
+    )
+    parser.add_argument(
+        "--emulate",
+        metavar="NODES[:BANDWIDTH[:LATENCY]]",
+        help="local only: run every process of the job on an emulated node of one core (network namespace, "
+        "links shaped with tc tbf, a CPU quota), e.g. 4:100mbit:5ms (defaults 1gbit, 0.2ms). NODES is the job's "
+        "count of worker processes; its PS shards and the coordinator get nodes too. With C cores and P processes "
+        "each gets C/P of a core when P > C, links are slowed and delayed by the same factor d = P/C, and the "
+        "summary's times are divided by d (its 'emulation' block says so). Needs root, iproute2, nftables and "
+        "the cpu cgroup controller; everything made is removed at the end, also if the launcher is killed",
     )
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
     return parser
@@ -386,10 +398,35 @@ def _apply_launcher(args: argparse.Namespace) -> AutoStart:
     return auto
 
 
+def _emulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--role local --emulate``: the local launcher on emulated nodes."""
+    from ._emulate import SpecError, parse_spec, run_emulated
+
+    problem = None
+    if args.role != "local":
+        problem = "--emulate needs --role local"
+    elif not args.config:
+        problem = "--role local needs --config JOB.toml"
+    else:
+        try:
+            spec = parse_spec(args.emulate)
+        except SpecError as exc:
+            problem = str(exc)
+    if problem is not None:
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {problem}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=(args.log_level or "error").upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_emulated(args.config, spec, resume=args.resume)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m dniasync.node``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 with a message on bad arguments
+    if args.emulate is not None:
+        return _emulate(parser, args)
     if args.role == "local":
         if not args.config:
             parser.print_usage(sys.stderr)
