@@ -169,3 +169,29 @@ def test_a_downpour_job_survives_every_fault_the_chaos_tool_injects(tmp_path: Pa
     assert all(e["version"] > e["snapshot_version"] for e in restarted)
     log = (tmp_path / "job" / "chaos.jsonl").read_text().splitlines()
     assert [json.loads(line)["kind"] for line in log][0] == "start"
+
+
+def test_a_run_whose_job_ends_before_a_fault_settles_says_its_soak_checked_nothing(tmp_path: Path) -> None:
+    """The job stops (max_seconds) while the soak waits for its fault to settle: no reading after a fault was
+    taken while the job ran, and the report and stderr say so instead of an empty soak passing as checked."""
+    out = tmp_path / "job"
+    config = tmp_path / "job.toml"
+    config.write_text(JOB.format(out=out).replace("max_seconds = 1800", "max_seconds = 12"))
+    launcher = subprocess.Popen([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+    try:
+        chaos = subprocess.run(
+            [sys.executable, "-m", "dniasync.chaos", "--job-dir", str(out), "--faults", "kill_replica", "--count", "1",
+             "--first", "1", "--settle-s", "3600", "--wait", "300", "--report", str(tmp_path / "chaos.json")],
+            capture_output=True, text=True, timeout=600,
+        )
+    finally:
+        launcher.wait(timeout=300)
+    assert chaos.returncode == 0, chaos.stderr
+    report = json.loads((tmp_path / "chaos.json").read_text())
+    assert [f["kind"] for f in report["faults"]] == ["kill_replica"]
+    assert report["soak"] == {} and report["soak_checked"] is False
+    assert "ended before a fault had settled" in report["soak_unchecked_why"]
+    assert "no soak check" in chaos.stderr
+    log = [json.loads(line) for line in (out / "chaos.jsonl").read_text().splitlines()]
+    assert log[-1]["kind"] == "soak" and log[-1]["checked"] is False

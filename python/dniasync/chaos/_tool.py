@@ -207,8 +207,11 @@ class Chaos:
             self.thaw_all()
         before, after = self._before, self._after
         soak = {pid: {"before": before[pid], "after": after[pid]} for pid in before if pid in after}
-        self.record("soak", processes=soak, after_s=round(self._after_at - self._t0, 1) if after else None)
-        return {"faults": self.injected, "soak": soak}
+        why = None if soak else soak_unchecked(bool(self.injected), bool(after), self.settle_s)
+        self.record("soak", processes=soak, after_s=round(self._after_at - self._t0, 1) if after else None,
+                    checked=why is None, **({"why": why} if why else {}))
+        return {"faults": self.injected, "soak": soak, "soak_checked": why is None,
+                **({"soak_unchecked_why": why} if why else {})}
 
     async def _sleep_while_running(self, seconds: float) -> bool:
         """Sleep while the job runs (False if it ended); in each quiet moment (``settle_s`` after a fault ended,
@@ -223,6 +226,16 @@ class Chaos:
             if now >= end:
                 return True
             await asyncio.sleep(min(0.25, end - now))
+
+
+def soak_unchecked(injected: bool, read_after: bool, settle_s: float) -> str:
+    """Why a run has no soak reading to compare (so its leak check checked nothing)."""
+    if not injected:
+        return "no fault was injected"
+    if not read_after:
+        return (f"the job ended before a fault had settled (no reading {settle_s:g} s after one ended, while the "
+                "job still ran); lower --settle-s or --every, or give the job longer")
+    return "no process was alive both before the first fault and after the last"
 
 
 async def control(address: str, request: dict[str, Any]) -> dict[str, Any]:
@@ -285,4 +298,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     if args.report:
         args.report.write_text(json.dumps(report, indent=2) + "\n")
+    if not report["soak_checked"]:
+        print(f"warning: no soak check: {report['soak_unchecked_why']}", file=sys.stderr)
     return 0
