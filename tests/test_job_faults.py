@@ -299,3 +299,16 @@ def test_resuming_under_another_config_fails_naming_the_difference(tmp_path: Pat
     )
     assert again.returncode == 2, again.stdout + again.stderr
     assert "optimizer.lr: 0.05 in the checkpoint, 0.02 now" in again.stderr
+
+
+def test_resume_of_a_job_with_no_checkpoint_says_so_and_exits_2(tmp_path: Path) -> None:
+    """The coordinator's own error (no checkpoint in the store), not a launcher traceback; nothing written."""
+    out = tmp_path / "never"
+    config = tmp_path / "never.toml"
+    config.write_text(JOB.format(name="never", out=out, seconds=300))
+    resumed = subprocess.run([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config),
+                              "--resume"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 2, resumed.stdout + resumed.stderr
+    assert "cannot resume job never: no checkpoint in" in resumed.stderr
+    assert "Traceback" not in resumed.stderr + resumed.stdout
+    assert not (out / "summary.json").exists()

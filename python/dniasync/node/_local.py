@@ -85,6 +85,10 @@ class _Restarts:
         return True
 
 
+class ChildExited(RuntimeError):
+    """A child process ended before it said where it listens."""
+
+
 @dataclass
 class _Child:
     role: str
@@ -199,7 +203,7 @@ async def _pump(child: _Child, listening: asyncio.Future[str] | None) -> None:
                 if match:
                     listening.set_result(match.group(1))
     if listening is not None and not listening.done():
-        listening.set_exception(RuntimeError(f"{child.role} exited before listening; see {child.log}"))
+        listening.set_exception(ChildExited(f"{child.role} exited before listening; see {child.log}"))
 
 
 def _bar(status: JobStatusReply, width: int = 24, dilation: float = 1.0) -> str:
@@ -348,7 +352,16 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool, pla
                                                                *(["--resume"] if resume else [])])
         listening: asyncio.Future[str] = loop.create_future()
         pumps.append(asyncio.create_task(_pump(coordinator, listening)))
-        coordinator.address = await asyncio.wait_for(listening, STARTUP_TIMEOUT_S)
+        try:
+            coordinator.address = await asyncio.wait_for(listening, STARTUP_TIMEOUT_S)
+        except ChildExited:  # its own error (a --resume with no checkpoint, a bad address) is the one to show
+            code = await asyncio.wait_for(coordinator.proc.wait(), STARTUP_TIMEOUT_S)
+            said = [line for line in coordinator.log.read_text(errors="replace").splitlines()
+                    if line.startswith("error:")]
+            print("\n".join(said[-3:]) or f"error: the coordinator exited ({code}) before it listened",
+                  file=sys.stderr)
+            print(f"  (its log: {coordinator.log})", file=sys.stderr)
+            return 2 if code == 2 else 1
 
         mode = get_mode(config.mode)
         n_ps, n_workers = mode.processes(config)
