@@ -22,10 +22,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import ctypes
+import heapq
+import itertools
 import os
 import socket
 import struct
 import sys
+import threading
+import time
 from collections.abc import Callable
 
 PORT = 6999
@@ -64,9 +68,51 @@ def original_destination(sock: socket.socket) -> tuple[str, int]:
     return socket.inet_ntoa(packed), port
 
 
-async def delay_line(src: asyncio.StreamReader, dst: asyncio.StreamWriter, delay: float, held_max: int) -> None:
+class Alarm:
+    """Wake-ups at a ``time.monotonic()`` instant to within ~0.1 ms.
+
+    The event loop's own timers have a resolution of a millisecond (uvloop rounds a 0.2 ms sleep
+    down to nothing, asyncio's epoll up to 1 ms); a thread sleeping on a condition variable uses the
+    kernel's high-resolution timers, then hands the wake-up to the loop.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.due: list[tuple[float, int, asyncio.Future[None]]] = []
+        self.order = itertools.count()
+        self.cond = threading.Condition()
+        threading.Thread(target=self._run, name="delay-alarm", daemon=True).start()
+
+    def at(self, when: float) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = self.loop.create_future()
+        with self.cond:
+            heapq.heappush(self.due, (when, next(self.order), future))
+            if self.due[0][2] is future:
+                self.cond.notify()
+        return future
+
+    def _run(self) -> None:
+        with self.cond:
+            while True:
+                if not self.due:
+                    self.cond.wait()
+                    continue
+                wait = self.due[0][0] - time.monotonic()
+                if wait > 0:
+                    self.cond.wait(wait)
+                    continue
+                _, _, future = heapq.heappop(self.due)
+                self.loop.call_soon_threadsafe(_wake, future)
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def delay_line(src: asyncio.StreamReader, dst: asyncio.StreamWriter, delay: float, held_max: int,
+                     alarm: Alarm) -> None:
     """Copy ``src`` to ``dst``, each chunk ``delay`` s after it was read; half-close ``dst`` at the end."""
-    loop = asyncio.get_running_loop()
     line: collections.deque[tuple[float, bytes]] = collections.deque()
     arrived = asyncio.Event()
     room = asyncio.Event()
@@ -77,7 +123,7 @@ async def delay_line(src: asyncio.StreamReader, dst: asyncio.StreamWriter, delay
         nonlocal held
         while True:
             data = await src.read(CHUNK)
-            line.append((loop.time() + delay, data))
+            line.append((time.monotonic() + delay, data))
             arrived.set()
             if not data:
                 return
@@ -93,9 +139,8 @@ async def delay_line(src: asyncio.StreamReader, dst: asyncio.StreamWriter, delay
                 arrived.clear()
                 await arrived.wait()
             due, data = line.popleft()
-            wait = due - loop.time()
-            if wait > 0:
-                await asyncio.sleep(wait)
+            if due > time.monotonic():
+                await alarm.at(due)
             if not data:
                 if dst.can_write_eof():
                     dst.write_eof()
@@ -117,8 +162,10 @@ class DelayProxy:
         # a delay line holds what the link delivers in twice the delay (its rate is not known here: 1 Gbit/s)
         self.held_max = max(MIN_HELD, int(2 * delay * 125_000_000))
         self.tasks: set[asyncio.Task[None]] = set()
+        self.alarm: Alarm | None = None
 
     async def serve(self) -> None:
+        self.alarm = Alarm(asyncio.get_running_loop())
         servers = []
         for name in self.names:
             fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
@@ -154,8 +201,9 @@ class DelayProxy:
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             up_reader, up_writer = await asyncio.open_connection(sock=sock, limit=CHUNK)
             async with asyncio.TaskGroup() as both:  # one direction failing ends the other
-                both.create_task(delay_line(reader, up_writer, self.delay, self.held_max))
-                both.create_task(delay_line(up_reader, writer, self.delay, self.held_max))
+                assert self.alarm is not None
+                both.create_task(delay_line(reader, up_writer, self.delay, self.held_max, self.alarm))
+                both.create_task(delay_line(up_reader, writer, self.delay, self.held_max, self.alarm))
         except* OSError:
             pass  # either end went away: the other is closed below, as a cut cable would leave it
         finally:
@@ -169,6 +217,7 @@ def main(argv: list[str]) -> int:
         print("usage: _delay.py DELAY_S NETNS...", file=sys.stderr)
         return 2
     proxy = DelayProxy(float(argv[0]), argv[1:])
+    sys.setswitchinterval(1e-4)  # the alarm thread must not wait 5 ms for the loop's thread to let go
     try:
         import uvloop
     except ImportError:
