@@ -1,0 +1,445 @@
+"""Speed-up with node count on an emulated cluster: dniasync's modes vs torch DDP, 1 to 8 nodes of one core.
+
+Run (as root: network namespaces, tc, nftables, cgroups): python benchmarks/bench_scaling.py [--quick]
+Full: every mode x model x link x node count below; hours on a 2-core machine (each run is slowed
+by its time dilation); pick parts with --models, --links, --nodes, --systems.
+
+The nodes. Every run goes through ``python -m dniasync.node --role local --emulate N:LINK``
+(dniasync) or the same emulation driven from here (DDP; ``dniasync.node._emulate.Emulation``):
+each process of the job is a node of one core in its own network namespace, on a bridge, with
+its own host name; with C cores and P processes (N trainers, PS shards, the coordinator) each is
+held to min(1, C/P) of a core by a cgroup quota, so the run is d = max(1, P/C) times slower than
+on P real one-core nodes, and its links are shaped to BANDWIDTH / d (tc tbf) with LATENCY x d
+added each way by the delay proxy. Every time reported here is divided by d: what P one-core
+machines on the stated link would show.
+
+The systems, on mnist5k (4,000 train / 1,000 held out, seed 0):
+- ``downpour_codec``: examples/downpour_mnist_threshold.toml, N replicas (Strom's threshold codec);
+- ``p2p``: examples/p2p_mnist.toml (``job.mode = "p2p"``), N peers, threshold codec, no local steps;
+- ``dni_downpour``: examples/dni_downpour_mnist.toml (cDNI stages, each stage's weights on its own
+  PS shard), and ``spectrain``: examples/cnn_mnist_spectrain.toml's pipeline, with N workers as
+  s stages x r pipeline replicas: s = N up to the cuts the model has (MLP 2, CNN 4), r = N / s;
+- ``ddp`` / ``ddp_powersgd``: torch DistributedDataParallel over gloo, plain and with PowerSGD
+  (bench_links' wrapper, benchmarks/_scaling_torch.py), N ranks, over the same emulated links.
+Models: ``mlp``, bench_train's compute-bound MLP 784-2048-2048-10; ``cnn``, train/models.py's CNN
+(16/32 channels, GroupNorm, 128 hidden). Each system keeps its example's optimizer; the dniasync
+modes snapshot the weights every 256 samples (``eval.deferred``: scored after the run, off the clock).
+
+Reported per (model, link, system, N): samples/s (steady: between the first and last snapshot),
+time to TARGET held-out accuracy, the speed-up over 1 node (time to target at 1 node / at N; the
+throughput speed-up beside it) and the parallel efficiency (speed-up / N). Ratios (bigger is
+better): ``<mode>_efficiency_8_nodes_1gbit`` for each dniasync mode, ``best_speedup_8_nodes_1gbit``
+(the best mode's), ``best_vs_ddp_8_nodes_100mbit`` (DDP's time to target / the best mode's), on
+the MLP; the same prefixed ``cnn_`` on the CNN. A ratio whose runs did not reach the target is left
+out and named in ``ratios_missing``. Where a curve bends, the summaries' own counters say why: each
+dniasync run keeps its summary's ``metrics`` (staleness, PS and stage counters) in the results.
+
+Validation of the emulation: downpour_codec and DDP on the MLP at 1 and 2 nodes, emulated at
+1 Gbit/s / 0.2 ms and run for real (``--role local`` on loopback, unconfined; DDP ranks on
+loopback), their samples/s and time to target side by side; within TOLERANCE is the claim. And a
+link microbenchmark: two emulated hosts on each link as shaped at d = 1 and at the dilation of
+8 nodes; 8 MB through it and pings through the delay proxy, against the rate and 2 x delay.
+
+``--quick``: the MLP, 1 Gbit/s, 1 and 2 nodes, downpour_codec and DDP, 1 epoch; the validation at
+1 node; the link microbenchmark at d = 1 (a few minutes: every emulated run starts its processes
+under their quotas).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import tomllib  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import _common  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from bench_train import EXAMPLES, ROOT, _split, steady_rate, time_to, to_toml  # noqa: E402
+
+from _scaling_torch import MODELS, build  # noqa: E402
+from dniasync.node._emulate import Emulation, Link, cores, missing, parse_spec  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+TARGET = 0.90
+NODES = [1, 2, 4, 8]
+LINKS = {"1gbit": "1gbit:0.2ms", "100mbit": "100mbit:5ms"}
+MODES = ["downpour_codec", "p2p", "dni_downpour", "spectrain"]
+REFERENCES = ["ddp", "ddp_powersgd"]
+EPOCHS = {"mlp": 10, "cnn": 5}
+SNAPSHOT_EVERY = 256
+TOLERANCE = 0.25
+"""Emulated vs real at 1 and 2 nodes: samples/s and time to target within 25% of each other."""
+Y2_POINT = (6, 2.7)
+"""The y2 cluster's speed-up on 6 nodes (Strom 2015), on the plot for scale."""
+GROUPS: dict[str, dict[int, list[list[int]]]] = {
+    # MLP layers: 0 Linear 1 ReLU 2 Linear 3 ReLU 4 Linear; CNN: see models.cnn
+    "mlp": {1: [[0, 1, 2, 3, 4]], 2: [[0, 1], [2, 3, 4]]},
+    "cnn": {1: [list(range(13))], 2: [[0, 1, 2, 3, 4], list(range(5, 13))],
+            4: [[0, 1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11], [12]]},
+}
+EXAMPLE = {"downpour_codec": "downpour_mnist_threshold.toml", "p2p": "p2p_mnist.toml",
+           "dni_downpour": "dni_downpour_mnist.toml", "spectrain": "cnn_mnist_spectrain.toml"}
+ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="eth0")
+TORCH_PORT = 29500
+
+
+class RunFailed(Exception):
+    """A run could not give a figure: its text goes into the results instead."""
+
+
+def stages(model: str, nodes: int) -> tuple[int, int]:
+    """(stages, pipeline replicas) for ``nodes`` pipeline workers: as many stages as the model's cuts allow."""
+    s = max(k for k in GROUPS[model] if k <= nodes and nodes % k == 0)
+    return s, nodes // s
+
+
+# --------------------------------------------------------------------------- dniasync through the launcher
+
+
+def job(system: str, model: str, nodes: int, out: Path, epochs: int) -> dict[str, Any]:
+    doc = tomllib.loads((EXAMPLES / EXAMPLE[system]).read_text())
+    factory, kwargs = MODELS[model]
+    doc["model"] = {"factory": factory, "kwargs": dict(kwargs)}
+    doc["job"].update(name=f"{system}_{model}_{nodes}", output_dir=str(out))
+    doc["stop"] = {"max_epochs": epochs, "max_seconds": 1e6}  # the sample budget decides; time limits run dilated
+    doc["eval"] = {"every_steps": max(1, SNAPSHOT_EVERY // doc["data"]["batch_size"]), "deferred": True}
+    doc["checkpoint"] = {"every_seconds": 1e6}
+    if system == "downpour_codec":
+        doc["downpour"]["n_replicas"] = nodes
+    elif system == "p2p":
+        doc["p2p"]["n_peers"] = nodes
+        doc.setdefault("sync", {})["local_steps"] = 1
+    else:
+        s, r = stages(model, nodes)
+        if system == "spectrain" and r > 1:
+            raise RunFailed(f"not available: SpecTrain's pipelines cannot be replicated (its prediction needs each "
+                            f"stage's own optimizer) and the {model} has cuts for at most {max(GROUPS[model])} stages")
+        pipeline = doc["pipeline"]
+        pipeline["groups"] = GROUPS[model][s]
+        if r > 1:
+            pipeline.update(replicas=r, n_fetch=1, n_push=1)
+        else:
+            for key in ("replicas", "n_fetch", "n_push"):
+                pipeline.pop(key, None)
+    return doc
+
+
+def run_dniasync(system: str, model: str, nodes: int, link: str | None, work: Path, epochs: int) -> dict[str, Any]:
+    """One launcher run; ``link`` None: for real (loopback, no quotas)."""
+    run = work / f"{system}_{model}_{link or 'real'}_{nodes}"
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir(parents=True)
+    cfg = run / "job.toml"
+    cfg.write_text(to_toml(job(system, model, nodes, run / "out", epochs)) + "\n")
+    argv = [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(cfg)]
+    if link is not None:
+        argv += ["--emulate", f"{nodes}:{LINKS[link]}"]
+    with (run / "launcher.log").open("wb") as log:
+        proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT, timeout=4 * 3600)
+    summary_path = run / "out" / "summary.json"
+    if proc.returncode != 0 or not summary_path.exists():
+        tail = (run / "launcher.log").read_text(errors="replace")[-1500:]
+        raise RunFailed(f"the launcher exited {proc.returncode}: {tail}")
+    summary = json.loads(summary_path.read_text())
+    emulation = summary.get("emulation", {})
+    return figures(summary["history"], summary["samples"], summary["wall_s"],
+                   dilation=emulation.get("dilation", 1.0), processes=emulation.get("processes"),
+                   metrics=summary.get("metrics", {}))
+
+
+# --------------------------------------------------------------------------- torch DDP over the same links
+
+
+def run_ddp(system: str, model: str, nodes: int, link: str | None, work: Path, epochs: int) -> dict[str, Any]:
+    run = work / f"{system}_{model}_{link or 'real'}_{nodes}"
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir(parents=True)
+    dilation = max(1.0, nodes / cores()) if link is not None else 1.0
+    emulation: Emulation | None = None
+    if link is not None:
+        spec = parse_spec(f"{nodes}:{LINKS[link]}")
+        emulation = Emulation([f"r{i}" for i in range(nodes)],
+                              Link(spec.bandwidth_bps / dilation, spec.latency_s * dilation), min(1.0, cores() / nodes))
+        emulation.start()
+    try:
+        master = f"{emulation.address('r0') if emulation else '127.0.0.1'}:{TORCH_PORT}"
+        procs = []
+        for rank in range(nodes):
+            argv = [sys.executable, str(HERE / "_scaling_torch.py"), "--model", model, "--system", system,
+                    "--rank", str(rank), "--world", str(nodes), "--dir", str(run), "--master", master,
+                    "--epochs", str(epochs), "--snapshot-every", str(SNAPSHOT_EVERY)]
+            with (run / f"rank-{rank}.log").open("wb") as log:
+                env = ENV if emulation else {k: v for k, v in ENV.items() if k != "GLOO_SOCKET_IFNAME"}
+                if emulation is not None:
+                    procs.append(emulation.popen(f"r{rank}", argv, stdout=log, stderr=log, env=env, cwd=HERE))
+                else:
+                    procs.append(subprocess.Popen(argv, stdout=log, stderr=log, env=env, cwd=HERE))
+        deadline = time.monotonic() + 600
+        while not all((run / f"ready-{r}").exists() for r in range(nodes)):
+            if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+                raise RunFailed(f"a rank did not start: {(run / 'rank-0.log').read_text(errors='replace')[-1500:]}")
+            time.sleep(0.05)
+        (run / "go.tmp").write_text(repr(time.monotonic()))
+        (run / "go.tmp").rename(run / "go")
+        codes = [p.wait(timeout=4 * 3600) for p in procs]
+        if any(codes):
+            raise RunFailed(f"ranks exited {codes}: {(run / 'rank-0.log').read_text(errors='replace')[-1500:]}")
+    finally:
+        if emulation is not None:
+            emulation.close()
+    reports = [json.loads((run / f"rank-{r}.json").read_text()) for r in range(nodes)]
+    snaps = np.load(run / "snapshots.npz")
+    zero = np.array(reports[0]["timeline"])
+    _, _, x_test, y_test = _split()
+    net = build(model)
+    history = []
+    from dniasync.train.flat import evaluate
+
+    for weights, wall in zip(snaps["weights"], snaps["wall_s"]):
+        i = max(0, int(np.searchsorted(zero[:, 0], wall, side="right")) - 1)
+        torch.nn.utils.vector_to_parameters(torch.from_numpy(weights), net.parameters())
+        accuracy, loss = evaluate(net, x_test, y_test)
+        history.append({"wall_s": float(wall), "samples": nodes * int(zero[i, 1]), "accuracy": accuracy, "loss": loss})
+    samples = sum(int(np.array(r["timeline"])[-1, 1]) for r in reports)
+    history = [{**p, "wall_s": p["wall_s"] / dilation} for p in history]
+    return figures(history, samples, max(r["end_s"] for r in reports) / dilation, dilation=dilation, processes=nodes)
+
+
+def figures(history: list[dict[str, Any]], samples: int, wall_s: float, *, dilation: float,
+            processes: int | None, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+    ttt, samples_to = time_to(history, TARGET)
+    return {
+        "samples_per_s": steady_rate(history), "time_to_target_s": ttt, "samples_to_target": samples_to,
+        "final_accuracy": history[-1]["accuracy"] if history else None, "samples": samples, "wall_s": wall_s,
+        "dilation": dilation, "processes": processes, "metrics": metrics or {},
+    }
+
+
+def run_one(system: str, model: str, nodes: int, link: str | None, work: Path, epochs: int) -> dict[str, Any]:
+    runner = run_ddp if system in REFERENCES else run_dniasync
+    start = time.monotonic()
+    try:
+        result = runner(system, model, nodes, link, work, epochs)
+    except (RunFailed, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as exc:
+        result = {"error": str(exc)[-2000:]}
+    result["run_s"] = time.monotonic() - start
+    fig = result.get("samples_per_s")
+    _common.say(f"  {model} {link or 'real':8s} {system:15s} {nodes} node(s): "
+                + (f"{fig:8,.0f} samples/s, to {TARGET:.0%}: {fmt(result.get('time_to_target_s'), '.1f')} s "
+                   f"(d {result.get('dilation', 1):.3g}, {result['run_s']:.0f} s)" if fig else
+                   f"no figure: {result.get('error', 'too few snapshots')[:200]}"))
+    return result
+
+
+# --------------------------------------------------------------------------- the link itself
+
+SERVER = r"""
+import socket, sys
+s = socket.socket(); s.bind((sys.argv[1], 5000)); s.listen(); print("up", flush=True)
+c, _ = s.accept()
+while True:
+    kind = c.recv(1)
+    if not kind: break
+    if kind == b"p": c.sendall(b"p"); continue
+    n, got = int.from_bytes(c.recv(8, socket.MSG_WAITALL), "big"), 0
+    while got < n: got += len(c.recv(1 << 20))
+    c.sendall(b"k")
+"""
+CLIENT = r"""
+import json, socket, statistics, sys, time
+c = socket.create_connection((sys.argv[1], 5000)); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+pings = []
+for _ in range(20):
+    t = time.perf_counter(); c.sendall(b"p"); c.recv(1); pings.append(time.perf_counter() - t)
+n = int(sys.argv[2]); t = time.perf_counter(); c.sendall(b"d" + n.to_bytes(8, "big") + b"x" * n); c.recv(1)
+print(json.dumps({"rtt_s": statistics.median(pings), "transfer_s": time.perf_counter() - t}))
+"""
+
+
+def measure_link(rate_bps: float, delay_s: float, size: int) -> dict[str, Any]:
+    with Emulation(["a", "b"], Link(rate_bps, delay_s), 1.0) as emu:
+        server = emu.popen("b", [sys.executable, "-c", SERVER, emu.address("b")], stdout=subprocess.PIPE)
+        assert server.stdout is not None
+        server.stdout.readline()
+        client = emu.popen("a", [sys.executable, "-c", CLIENT, emu.address("b"), str(size)], stdout=subprocess.PIPE)
+        out, _ = client.communicate(timeout=600)
+        server.wait(timeout=60)
+    got = json.loads(out)
+    # the transfer's time holds one round trip (the request's last byte out, the answer back)
+    rate = size * 8 / max(1e-9, got["transfer_s"] - 2 * delay_s)
+    return {"rate_bps": rate_bps, "delay_s": delay_s, "measured_bps": rate, "rate_ratio": rate / rate_bps,
+            "rtt_s": got["rtt_s"], "rtt_expected_s": 2 * delay_s,
+            "rtt_ratio": got["rtt_s"] / (2 * delay_s) if delay_s > 0 else None}
+
+
+# --------------------------------------------------------------------------- derived figures, ratios, plot
+
+
+def fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def derive(curves: dict[str, dict[str, Any]]) -> None:
+    """Speed-ups over 1 node and efficiencies, in place, for one (model, link, system) curve."""
+    for system, by_n in curves.items():
+        one = by_n.get("1", {})
+        for n, r in by_n.items():
+            t1, tn = one.get("time_to_target_s"), r.get("time_to_target_s")
+            s1, sn = one.get("samples_per_s"), r.get("samples_per_s")
+            r["speedup"] = t1 / tn if t1 and tn else None
+            r["efficiency"] = r["speedup"] / int(n) if r["speedup"] else None
+            r["throughput_speedup"] = sn / s1 if s1 and sn else None
+
+
+def ratios_of(results: dict[str, Any]) -> tuple[dict[str, float], list[str]]:
+    ratios: dict[str, float] = {}
+    missing_: list[str] = []
+    for model, prefix in (("mlp", ""), ("cnn", "cnn_")):
+        runs = results.get("runs", {}).get(model, {})
+        fast = runs.get("1gbit", {})
+        best: tuple[float, str] | None = None
+        for mode in MODES:
+            name = f"{prefix}{mode}_efficiency_8_nodes_1gbit"
+            eff = fast.get(mode, {}).get("8", {}).get("efficiency")
+            if eff is None:
+                missing_.append(name)
+                continue
+            ratios[name] = eff
+            speed = fast[mode]["8"]["speedup"]
+            best = max(best or (speed, mode), (speed, mode))
+        if best is None:
+            missing_.append(f"{prefix}best_speedup_8_nodes_1gbit")
+        else:
+            ratios[f"{prefix}best_speedup_8_nodes_1gbit"] = best[0]
+        slow = runs.get("100mbit", {})
+        times = [(r["time_to_target_s"], m) for m in MODES
+                 if (r := slow.get(m, {}).get("8", {})).get("time_to_target_s")]
+        for ref in REFERENCES:
+            name = f"{prefix}best_vs_{ref}_8_nodes_100mbit"
+            ref_t = slow.get(ref, {}).get("8", {}).get("time_to_target_s")
+            if times and ref_t:
+                ratios[name] = ref_t / min(times)[0]
+            else:
+                missing_.append(name)
+    return ratios, missing_
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    runs = results.get("runs", {})
+    fig = Figure(figsize=(6 * max(1, len(runs)), 4.5))
+    for k, (model, links) in enumerate(runs.items()):
+        ax = fig.add_subplot(1, max(1, len(runs)), k + 1)
+        top = max(NODES)
+        ax.plot([1, top], [1, top], color="grey", linestyle="--", label="ideal")
+        ax.plot(*Y2_POINT, marker="*", markersize=12, color="black", linestyle="none", label="y2 cluster, 6 nodes")
+        for link, systems in links.items():
+            for system, by_n in systems.items():
+                pts = sorted((int(n), r["speedup"]) for n, r in by_n.items() if r.get("speedup"))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", linestyle="-" if link == "1gbit" else ":",
+                            label=f"{system} {link}")
+        ax.set(title=f"{model}: speed-up to {TARGET:.0%} over 1 node", xlabel="emulated nodes (one core each)",
+               ylabel="speed-up", xscale="log", yscale="log")
+        ax.set_xticks(NODES, [str(n) for n in NODES])
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = _common.parser(__doc__.split("\n")[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--links", default=",".join(LINKS))
+    p.add_argument("--nodes", default=",".join(map(str, NODES)))
+    p.add_argument("--systems", default=",".join(MODES + REFERENCES))
+    args = p.parse_args()
+    why = missing()
+    if why is not None:
+        sys.exit(f"bench_scaling: emulated nodes {why}")
+    if args.quick:
+        models, links, nodes, systems = ["mlp"], ["1gbit"], [1, 2], ["downpour_codec", "ddp"]
+    else:
+        models, links = args.models.split(","), args.links.split(",")
+        nodes, systems = [int(n) for n in args.nodes.split(",")], args.systems.split(",")
+    work = Path(tempfile.mkdtemp(prefix="bench_scaling-"))
+    results: dict[str, Any] = {"target": TARGET, "cores": cores(), "tolerance": TOLERANCE, "runs": {},
+                               "validation": {}, "links": {}, "work_dir": str(work)}
+    _common.say(f"bench_scaling: {cores()} cores; runs in {work}")
+
+    _common.say("link microbenchmark (two emulated hosts, 1 core each)")
+    size = 2_000_000 if args.quick else 8_000_000
+    for link in links:
+        spec = parse_spec(f"1:{LINKS[link]}")
+        for d in ([1.0] if args.quick else [1.0, max(1.0, 10 / cores())]):
+            m = measure_link(spec.bandwidth_bps / d, spec.latency_s * d, size)
+            results["links"][f"{link}_d{d:g}"] = m
+            _common.say(f"  {link} at d {d:g}: {m['measured_bps'] / 1e6:.1f} of {m['rate_bps'] / 1e6:.1f} Mbit/s, "
+                        f"rtt {1e3 * m['rtt_s']:.2f} ms for {1e3 * m['rtt_expected_s']:.2f} ms")
+
+    for model in models:
+        epochs = 1 if args.quick else EPOCHS[model]
+        for link in links:
+            curves = results["runs"].setdefault(model, {}).setdefault(link, {})
+            for system in systems:
+                for n in nodes:
+                    curves.setdefault(system, {})[str(n)] = run_one(system, model, n, link, work, epochs)
+            derive(curves)
+
+    _common.say("validation: emulated at 1gbit vs real runs (loopback, unconfined), MLP")
+    for system in ["downpour_codec", "ddp"]:
+        for n in ([1] if args.quick else [1, 2]):
+            emulated = results["runs"].get("mlp", {}).get("1gbit", {}).get(system, {}).get(str(n))
+            if emulated is None:
+                emulated = run_one(system, "mlp", n, "1gbit", work, 1 if args.quick else EPOCHS["mlp"])
+            real = run_one(system, "mlp", n, None, work, 1 if args.quick else EPOCHS["mlp"])
+            row: dict[str, Any] = {"emulated": emulated, "real": real}
+            for key in ("samples_per_s", "time_to_target_s"):
+                e, r = emulated.get(key), real.get(key)
+                row[f"{key}_ratio"] = e / r if e and r else None
+            row["within_tolerance"] = all(abs(v - 1) <= TOLERANCE for k, v in row.items()
+                                          if k.endswith("_ratio") and v is not None)
+            results["validation"][f"{system}_{n}"] = row
+
+    ratios, missing_ = ratios_of(results)
+    results["ratios_missing"] = missing_
+    rows = []
+    for model, by_link in results["runs"].items():
+        for link, systems_ in by_link.items():
+            for system, by_n in systems_.items():
+                for n, r in by_n.items():
+                    rows.append((model, link, system, n, fmt(r.get("samples_per_s"), ",.0f"),
+                                 fmt(r.get("time_to_target_s"), ".1f"), fmt(r.get("speedup"), ".2f"),
+                                 fmt(r.get("efficiency"), ".2f"), fmt(r.get("throughput_speedup"), ".2f"),
+                                 fmt(r.get("dilation"), ".3g")))
+    _common.say(_common.table(rows, ("model", "link", "system", "nodes", "samples/s", f"to {TARGET:.0%} s",
+                                     "speed-up", "efficiency", "thr. speed-up", "d")))
+    for name, row in results["validation"].items():
+        _common.say(f"validation {name}: samples/s emulated/real {fmt(row['samples_per_s_ratio'], '.2f')}, "
+                    f"time to target {fmt(row['time_to_target_s_ratio'], '.2f')} "
+                    f"({'within' if row['within_tolerance'] else 'outside'} {TOLERANCE:.0%})")
+    for name, value in ratios.items():
+        _common.say(f"  {name:45s} {value:.3f}")
+    if missing_:
+        _common.say("  not computed (a run did not reach the target or failed): " + ", ".join(missing_))
+    path = _common.write("bench_scaling", args.quick, results, ratios)
+    png = path.with_suffix(".png")
+    plot(results, png)
+    _common.say(f"wrote {path} and {png}")
+
+
+if __name__ == "__main__":
+    main()
