@@ -17,12 +17,13 @@ def write_job(tmp_path: Path, name: str, template: str, **fields: Any) -> tuple[
     return config, out
 
 
+def _command(config: Path) -> list[str]:
+    return [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)]
+
+
 def launch(config: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """The local launcher on ``config``, to the end."""
-    return subprocess.run(
-        [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
-        capture_output=True, text=True, timeout=timeout,
-    )
+    return subprocess.run(_command(config), capture_output=True, text=True, timeout=timeout)
 
 
 def summary(out: Path) -> dict[str, Any]:
@@ -37,3 +38,27 @@ def run_job(tmp_path: Path, name: str, template: str, *, timeout: float = 400,
     proc = launch(config, timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return summary(out), proc
+
+
+def run_jobs_together(tmp_path: Path, template: str, jobs: dict[str, dict[str, Any]], *,
+                      timeout: float = 400) -> dict[str, dict[str, Any]]:
+    """Several jobs launched at once (``{name: fields}``), each checked to exit 0: ``{name: summary}``.
+
+    For jobs whose results do not depend on when they run (a stop by epochs or target, not by seconds): their
+    start-ups (imports, spawns, joins: most of a short job's wall time) overlap.
+    """
+    started = {}
+    for name, fields in jobs.items():
+        config, out = write_job(tmp_path, name, template, **fields)
+        started[name] = (out, subprocess.Popen(_command(config), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                               text=True))
+    try:
+        for name, (_, proc) in started.items():
+            output, _ = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, f"{name}: {output}"
+    finally:
+        for _, proc in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return {name: summary(out) for name, (out, _) in started.items()}
