@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -117,3 +118,23 @@ def start_node(tmp_path: Path) -> Iterator[Callable[..., NodeProcess]]:
     yield start
     for node in reversed(started):  # members first, so they can still say goodbye to the coordinator
         node.stop()
+
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def example_data_sets() -> None:
+    """Data sets the shipped examples name under ``runs/`` (not in git), made when missing with the commands the
+    example's header gives (every ``#   python ...`` line but the job's own launch), as a user makes them."""
+    for example in sorted((_ROOT / "examples").glob("*.toml")):
+        text = example.read_text()
+        dataset = str(tomllib.loads(text).get("data", {}).get("dataset", ""))
+        if not dataset.startswith("runs/") or (_ROOT / dataset / "manifest.json").is_file():
+            continue
+        for line in text.splitlines():
+            command = line.removeprefix("#").strip()
+            if line.startswith("#   python ") and "dniasync.node" not in command:
+                done = subprocess.run([sys.executable, *command.split()[1:]], cwd=_ROOT, capture_output=True,
+                                      text=True, timeout=300)
+                assert done.returncode == 0, f"{example.name}: {command}\n{done.stderr}"

@@ -18,7 +18,15 @@ from torch import nn
 from .rules import get_rule
 from .settings import StageSettings, StageShape
 
-__all__ = ["GroupConfigError", "StageSpec", "build_stages", "probe_shapes", "split_sequential", "validate_groups"]
+__all__ = [
+    "GroupConfigError",
+    "StageSpec",
+    "build_stages",
+    "example_input",
+    "probe_shapes",
+    "split_sequential",
+    "validate_groups",
+]
 
 
 class GroupConfigError(ValueError):
@@ -84,14 +92,36 @@ def _describe(index: int, layer: nn.Module) -> str:
 _RANDOM_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
+# layers that take token ids (int64) rather than features: a text model's first layer
+_TOKEN_LAYERS = (nn.Embedding, nn.EmbeddingBag)
+
+
+def example_input(
+    model: nn.Sequential, batch: int, in_shape: Sequence[int], *, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """``(batch, *in_shape)`` inputs ``model`` can take: token ids for an embedding first layer, else features.
+
+    Without ``generator``: zeros (id 0, the padding id, for tokens); with it: random ids below the
+    embedding's size, or standard normal features.
+    """
+    first = model[0] if len(model) else None
+    if isinstance(first, _TOKEN_LAYERS):
+        if generator is None:
+            return torch.zeros(batch, *in_shape, dtype=torch.long)
+        return torch.randint(0, first.num_embeddings, (batch, *in_shape), generator=generator)
+    if generator is None:
+        return torch.zeros(batch, *in_shape)
+    return torch.randn(batch, *in_shape, generator=generator)
+
+
 def probe_shapes(model: nn.Sequential, in_shape: Sequence[int]) -> list[tuple[int, ...]]:
-    """The per-sample output shape of every layer of ``model`` fed ``(batch, *in_shape)`` zeros.
+    """The per-sample output shape of every layer of ``model`` fed a batch of 2 :func:`example_input` zeros.
 
     Raises :class:`GroupConfigError` naming the first layer that cannot take
     its input (a wrong width, a missing Flatten, ...) or gives no tensor.
     """
     shapes = []
-    x = torch.zeros(2, *in_shape)
+    x = example_input(model, 2, in_shape)
     was_training = model.training
     model.eval()  # normalisation layers: no running statistics touched by the probe
     try:

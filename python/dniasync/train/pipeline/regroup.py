@@ -35,6 +35,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from .cut import example_input
+
 __all__ = [
     "POLICIES",
     "BalancePolicy",
@@ -379,7 +381,7 @@ def profile_layers(
     inputs (the one-shot profile that picks a first split before training). The model's weights are left as they
     were (no optimizer step); its gradients are cleared."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(batch_size, *in_shape, generator=gen)
+    x = example_input(model, batch_size, in_shape, generator=gen)
     clock = LayerClock(model, 0)
     was_training = model.training
     model.train()
