@@ -364,10 +364,11 @@ def _parquet_source(path: Path, opts: ConvertOptions) -> _Chunks:
             state["done"] = row - 1
             yield x, y
 
-    first = pf.read_row_group(0, columns=columns) if pf.num_row_groups else None
     width = 0
-    if first is not None and first.num_rows:
-        width = to_matrix(first.slice(0, 1), 1).shape[1]
+    if pf.num_row_groups:
+        first = pf.read_row_group(0, columns=columns).slice(0, 1).combine_chunks().to_batches()
+        if first:
+            width = to_matrix(first[0], 1).shape[1]
     return _Chunks(chunks(), pf.metadata.num_rows, lambda: state["done"], dtype, [width], None)
 
 
