@@ -83,9 +83,11 @@ def variable_queries() -> list[tuple[str, str, str]]:
 def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus, list[str]]]:
     need("prometheus", "prometheus")
     tmp = tmp_path_factory.mktemp("prometheus")
-    cluster = LocalCluster(tmp, "metrics-job")
-    sandblaster = LocalCluster(tmp, "metrics-sandblaster", job=SANDBLASTER_JOB)
-    p2p = LocalCluster(tmp, "metrics-p2p", job=P2P_JOB)
+    # the jobs outlast every test of the module however slow the machine (the teardown stops them): a job that
+    # ended at its max_seconds mid-module took its nodes' metrics with it (a loaded CI run: refused connections)
+    cluster = LocalCluster(tmp, "metrics-job", max_seconds=1800)
+    sandblaster = LocalCluster(tmp, "metrics-sandblaster", max_seconds=1800, job=SANDBLASTER_JOB)
+    p2p = LocalCluster(tmp, "metrics-p2p", max_seconds=1800, job=P2P_JOB)
     dni: DNINode | None = None
     prometheus: Prometheus | None = None
     try:

@@ -228,7 +228,7 @@ lr = 0.03
 [p2p]
 n_peers = 4
 codec = "threshold"
-tau = 0.002
+tau = 0.006
 
 [stop]
 max_epochs = 25
@@ -292,8 +292,10 @@ def _assert_ledgers_complete(doc: dict[str, Any], peers: list[str]) -> None:
 
 def test_four_peers_reach_92_percent_on_mnist_and_their_copies_stay_close(tmp_path: Path) -> None:
     doc, _ = run_job(tmp_path, "p2p4", MNIST, timeout=600)
-    # no time limit in the job: a loaded machine takes longer, it does not get fewer epochs. 0.92 was reached at 9
-    # and 13.5 epochs when measured; the job stops there (an evaluation every 0.5 s) or fails at 25
+    # no time limit in the job: a loaded machine takes longer, it does not get fewer epochs. With tau 0.006 (the
+    # example's) 0.92 was reached after 2-3 epochs on a quiet machine (seeds 0-2); the job stops there (an
+    # evaluation every 0.5 s) or fails at 25. (tau 0.002, the earlier setting, took 9-13.5 epochs quiet and once
+    # missed 0.92 in 25 on a loaded CI run: 0.919.)
     assert doc["stop_reason"] == "reached target accuracy 0.92", (doc["stop_reason"], doc["history"])
     assert doc["best_accuracy"] >= 0.92, doc["history"]
     m = doc["metrics"]
@@ -305,11 +307,12 @@ def test_four_peers_reach_92_percent_on_mnist_and_their_copies_stay_close(tmp_pa
     # while training, copies differ by the updates in flight. Early on that depends on when each peer joined and
     # how fast the others ran meanwhile (measured: 0.68 at the very first evaluation, 0.27 at 4,000-7,000 samples
     # in 2 of 6 runs, <= 0.03 in the others), so the bound holds over the second half of the run, where every
-    # peer has long joined: measured <= 0.03 there (6 runs, quiet and busy machine). 0.25 is 8x that: a peer
-    # max_lag = 16 updates behind is ~0.05 away (16 x tau x sqrt(elements coded)) / |w|), so 0.25 means copies
-    # that broke apart, not a slow machine.
+    # peer has long joined: measured <= 0.03 there at tau 0.002 (6 runs, quiet and busy machine), 0.004 at the
+    # example's tau 0.006. 0.25 stays far above: a peer max_lag = 16 updates behind is ~0.15 away at tau 0.006
+    # (16 x tau x sqrt(elements coded)) / |w|), so 0.25 means copies that broke apart, not a slow machine.
     series = json.loads((tmp_path / "p2p4" / "consensus.json").read_text())
-    later = [c for c in series if c["samples"] >= series[-1]["samples"] / 2]
+    # (a run that reaches the target fast has few readings: the second half from 10,000 samples on, else the last)
+    later = [c for c in series if c["samples"] >= max(series[-1]["samples"] / 2, 10_000)] or series[-1:]
     assert later, series
     assert max(c["max"] for c in later) < 0.25, later
     # the threshold codec sends far less than the dense update would (three receivers per step)

@@ -165,12 +165,13 @@ async def test_pulls_are_deltas_between_dense_resyncs_and_dense_without_a_codec(
             echo = (reply.stream, reply.seq)
         assert [a.dense for a in answers] == [True, False, False, True, False]  # every 3rd pull dense
         assert [a.codec for a in answers] == ["none", "threshold", "threshold", "none", "threshold"]
-        # each delta: +0.5 coded as two passes of +tau (indices ascending within a pass)
+        # each delta: +0.5 is two thresholds on two elements: their indices (uint32) and counts (int8)
         assert [len(a.parts) for a in answers if not a.dense] == [2, 2, 2]
         assert [a.version for a in answers] == sorted({a.version for a in answers})  # strictly increasing
         np.testing.assert_array_equal(answers[3].parts[0], -4 * grad)
-        codes = [np.asarray(part).view(np.uint32).tolist() for part in answers[4].parts]
-        assert codes == [[1, 5], [1, 5]]  # +tau twice at indices 1 and 5 (sign bit clear: positive)
+        index, counts = answers[4].parts
+        assert np.asarray(index).view(np.uint32).tolist() == [1, 5]
+        assert np.asarray(counts).view(np.int8).tolist() == [2, 2]  # +2 tau at indices 1 and 5
 
         await coded.tell(Fence("r0"))  # a fenced replica's copy is forgotten: a later echo gets a dense answer
         after: ParamsDelta = await coded.ask(PullDelta("r0", 1, *echo))

@@ -356,11 +356,12 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool, pla
             coordinator.address = await asyncio.wait_for(listening, STARTUP_TIMEOUT_S)
         except ChildExited:  # its own error (a --resume with no checkpoint, a bad address) is the one to show
             code = await asyncio.wait_for(coordinator.proc.wait(), STARTUP_TIMEOUT_S)
-            said = [line for line in coordinator.log.read_text(errors="replace").splitlines()
-                    if line.startswith("error:")]
-            print("\n".join(said[-3:]) or f"error: the coordinator exited ({code}) before it listened",
+            lines = [line for line in coordinator.log.read_text(errors="replace").splitlines() if line.strip()]
+            said = [line for line in lines if line.startswith("error:")]
+            last = f": {lines[-1].strip()}" if lines else ""  # a traceback's last line names the exception
+            print("\n".join(said[-3:]) or f"error: the coordinator exited ({code}) before it listened{last}",
                   file=sys.stderr)
-            print(f"  (its log: {coordinator.log})", file=sys.stderr)
+            print(f"  see {coordinator.log}", file=sys.stderr)
             return 2 if code == 2 else 1
 
         mode = get_mode(config.mode)
