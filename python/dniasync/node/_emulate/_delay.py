@@ -13,7 +13,7 @@ host is covered (dniasync nodes, gloo, a TCP store) with no port known in advanc
 One process serves every host: a socket belongs to the network namespace its creator was in
 when it was made, so the proxy enters each host's namespace just long enough to create its
 listener and its outgoing sockets. Standard library (and uvloop when present) only: the
-launcher runs this file as a script, ``python _delay.py DELAY_S NETNS...``; it prints ``ready``
+launcher runs this file as a script, ``python _delay.py DELAY_S NETNS=ADDRESS...``; it prints ``ready``
 once every listener is bound.
 """
 
@@ -155,9 +155,10 @@ async def delay_line(src: asyncio.StreamReader, dst: asyncio.StreamWriter, delay
 
 
 class DelayProxy:
-    def __init__(self, delay: float, namespaces: list[str]) -> None:
+    def __init__(self, delay: float, namespaces: list[tuple[str, str]]) -> None:
         self.delay = delay
         self.names = namespaces
+        """(network namespace, its host's address): the redirect delivers to the address of the link it came in on"""
         self.ns = Namespaces()
         # a delay line holds what the link delivers in twice the delay (its rate is not known here: 1 Gbit/s)
         self.held_max = max(MIN_HELD, int(2 * delay * 125_000_000))
@@ -167,11 +168,11 @@ class DelayProxy:
     async def serve(self) -> None:
         self.alarm = Alarm(asyncio.get_running_loop())
         servers = []
-        for name in self.names:
+        for name, address in self.names:
             fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
             listener = self.ns.socket_in(fd)
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind(("0.0.0.0", PORT))
+            listener.bind((address, PORT))
             listener.listen(1024)
             servers.append(await asyncio.start_server(self._accepting(fd), sock=listener))
         print("ready", flush=True)
@@ -214,9 +215,9 @@ class DelayProxy:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
-        print("usage: _delay.py DELAY_S NETNS...", file=sys.stderr)
+        print("usage: _delay.py DELAY_S NETNS=ADDRESS...", file=sys.stderr)
         return 2
-    proxy = DelayProxy(float(argv[0]), argv[1:])
+    proxy = DelayProxy(float(argv[0]), [tuple(arg.split("=", 1)) for arg in argv[1:]])  # type: ignore[misc]
     sys.setswitchinterval(1e-4)  # the alarm thread must not wait 5 ms for the loop's thread to let go
     try:
         import uvloop

@@ -211,7 +211,8 @@ class Emulation:
 
     def _start_proxy(self) -> None:
         self._proxy = subprocess.Popen(
-            [sys.executable, "-I", _delay.__file__, repr(self.link.delay_s), *(self.netns(h) for h in self.hosts)],
+            [sys.executable, "-I", _delay.__file__, repr(self.link.delay_s),
+             *(f"{self.netns(h)}={self.address(h)}" for h in self.hosts)],
             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=self._joiner(self._cgroups[""], None, None),
         )
