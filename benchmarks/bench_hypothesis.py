@@ -9,7 +9,9 @@ Cells: the MLP 784-1024x4-10 and the CNN of ``train/models.py`` (GroupNorm: repl
 through PS shards, so no per-replica running statistics), each with
 - 2 worker processes: Downpour (Adagrad per PS shard), Downpour with ``staleness = "inverse"``,
   ``pipeline:dni``, ``pipeline:cdni``, ``pipeline:spectrain`` (2 stages), ``p2p``, ``hogwild``, and the
-  single-process torch baselines ``torch:1thread`` and ``torch:all-cores``;
+  single-process torch baselines ``torch:1thread`` and ``torch:all-cores``, and ``downpour:local`` (Downpour
+  with the local-steps exchange of ``examples/downpour_local_steps_mnist.toml``: H = 4, outer lr 0.7,
+  momentum 0.5);
 - 4 worker processes: the replicated pipelines ``pipeline:dni+ps``, ``pipeline:cdni+ps``,
   ``pipeline:spectrain+ps`` (2 stages x 2 replicas) against 4-process Downpour (with and without the
   staleness-aware lr).
@@ -23,12 +25,18 @@ Ratios (bigger is better; medians over seeds, with the min-max of the seed-paire
 ``cdni_ps_vs_downpour_time_to_90`` (4-process Downpour's median time to 90% / cDNI x Downpour's), the same
 for ``dni_ps`` and ``spectrain_ps``, on the MLP (``cnn_``-prefixed: the CNN);
 ``best_vs_torch_all_cores_time_to_92`` (the fastest dniasync method with 2 processes against all-core
-torch, MLP) and ``downpour_vs_torch_all_cores_time_to_92``. A method that never reaches a target has no
+torch, MLP) and ``downpour_vs_torch_all_cores_time_to_92`` (the fastest Downpour variant). A method that never reaches a target has no
 time: its ratio is left out and said so in ``results.missing_ratios``.
 
     python benchmarks/bench_hypothesis.py            # the full run (its expected wall time is printed first)
     python benchmarks/bench_hypothesis.py --quick    # MLP only, 1 seed, 7 rows, 3 epochs or 15 s, the middle lr
                                                      # of each grid (4 min at load 9 on 2 cores)
+    python benchmarks/bench_hypothesis.py --cells mlp_2w,mlp_4w      # some cells now ...
+    python benchmarks/bench_hypothesis.py --reuse                    # ... the rest later, reusing those saved
+
+Each cell is saved as ``runs/bench_hypothesis/<cell>/cell.json`` with what it depends on (setup, configs,
+grids); ``--reuse`` takes a saved cell only when that is unchanged. The reported wall time is the sum of the
+cells' own.
 """
 
 from __future__ import annotations
@@ -82,6 +90,9 @@ def _variants() -> dict[str, Variant]:
     out = [
         Variant("downpour", "downpour", adagrad, ADAGRAD),
         Variant("downpour:inverse", "downpour", adagrad, (0.05, 0.1, 0.2), {"downpour": {"staleness": "inverse"}}),
+        # examples/downpour_local_steps_mnist.toml's exchange: H = 4 inner Adagrad steps, DiLoCo's outer step
+        Variant("downpour:local", "downpour", adagrad, ADAGRAD,
+                {"sync": {"local_steps": 4, "outer_lr": 0.7, "outer_momentum": 0.5}}),
         Variant("pipeline:dni", "pipeline:dni", adam, (1e-4, 3e-4, 1e-3)),
         Variant("pipeline:cdni", "pipeline:cdni", adam, (1e-4, 3e-4, 1e-3)),
         Variant("pipeline:spectrain", "pipeline:spectrain", momentum, (0.005, 0.02, 0.05)),
@@ -98,8 +109,8 @@ def _variants() -> dict[str, Variant]:
 
 VARIANTS = _variants()
 CELLS_FULL: dict[int, tuple[str, ...]] = {
-    2: ("downpour", "downpour:inverse", "pipeline:dni", "pipeline:cdni", "pipeline:spectrain", "p2p", "hogwild",
-        "torch:1thread", "torch:all-cores"),
+    2: ("downpour", "downpour:inverse", "downpour:local", "pipeline:dni", "pipeline:cdni", "pipeline:spectrain",
+        "p2p", "hogwild", "torch:1thread", "torch:all-cores"),
     4: ("downpour", "downpour:inverse", "pipeline:dni+ps", "pipeline:cdni+ps", "pipeline:spectrain+ps"),
 }
 CELLS_QUICK: dict[int, tuple[str, ...]] = {
@@ -206,9 +217,27 @@ def rank(row: dict[str, Any]) -> tuple[float, ...]:
     return (*(_t(row, t) for t in sorted(TARGETS, reverse=True)), -(row.get("best_accuracy") or 0.0))
 
 
+def fingerprint(model: str, workers: int, labels: Sequence[str], setup: Setup, seed0: int) -> dict[str, Any]:
+    """What a cell's result depends on: a saved cell is reused (``--reuse``) only when this is equal."""
+    return {"model": MODELS[model], "workers": workers, "seed0": seed0, "seeds": setup.seeds,
+            "stop": [setup.max_epochs, setup.max_seconds], "config": base_config(model, setup, workers, seed0),
+            "variants": {label: [VARIANTS[label].method, VARIANTS[label].optimizer, list(grid_of(VARIANTS[label], setup)),
+                                 VARIANTS[label].extra] for label in labels}}
+
+
+def cached_cell(model: str, workers: int, labels: Sequence[str], setup: Setup, seed0: int) -> dict[str, Any] | None:
+    path = WORK / f"{model}_{workers}w" / "cell.json"
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    return saved["cell"] if saved.get("fingerprint") == fingerprint(model, workers, labels, setup, seed0) else None
+
+
 def run_cell(model: str, workers: int, labels: Sequence[str], setup: Setup, seed0: int) -> dict[str, Any]:
-    """The sweep on the first seed, then the other seeds at each method's best lr."""
+    """The sweep on the first seed, then the other seeds at each method's best lr; saved as the cell's
+    ``cell.json`` (with what it depends on) so a later ``--reuse`` run can take it instead of running it again."""
     cell = f"{model}_{workers}w"
+    started = time.monotonic()
     variants = [VARIANTS[label] for label in labels]
     sweep: list[dict[str, Any]] = []
     items = [(v, lr) for v in variants for lr in grid_of(v, setup)]
@@ -238,7 +267,11 @@ def run_cell(model: str, workers: int, labels: Sequence[str], setup: Setup, seed
             "aggregate": aggregate(ran, TARGETS) if ran else None,
             "runs": [_brief(r) for r in rows],
         }
-    return {"model": model, "workers": workers, "methods": methods, "sweep": [_brief(r) for r in sweep]}
+    out = {"model": model, "workers": workers, "methods": methods, "sweep": [_brief(r) for r in sweep],
+           "wall_s": time.monotonic() - started}
+    (WORK / cell / "cell.json").write_text(json.dumps(
+        {"fingerprint": fingerprint(model, workers, labels, setup, seed0), "cell": out}, indent=1))
+    return out
 
 
 def _brief(row: dict[str, Any]) -> dict[str, Any]:
@@ -288,7 +321,10 @@ def ratios_of(cells: dict[str, dict[str, Any]]) -> tuple[dict[str, float], dict[
         cell = cells.get(f"{model}_2w")
         if cell is None:
             continue
-        put(f"{prefix}downpour_vs_torch_all_cores_time_to_92", f"{model}_2w", "torch:all-cores", "downpour", 0.92)
+        downpours = {label: median_time(cell, label, 0.92) for label in cell["methods"] if label.startswith("downpour")}
+        fastest = min((k for k, t in downpours.items() if t is not None), key=lambda k: downpours[k] or 0.0,
+                      default="downpour")
+        put(f"{prefix}downpour_vs_torch_all_cores_time_to_92", f"{model}_2w", "torch:all-cores", fastest, 0.92)
         ours = {label: median_time(cell, label, 0.92) for label in cell["methods"] if not label.startswith("torch:")}
         reached = {k: t for k, t in ours.items() if t is not None}
         if reached:
@@ -371,6 +407,10 @@ def plot(cells: dict[str, dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     p = _common.parser(__doc__ or "")
+    p.add_argument("--cells", default="", help="run only these cells (comma-separated, e.g. mlp_2w,mlp_4w); the "
+                   "results then hold only the cells run or reused")
+    p.add_argument("--reuse", action="store_true", help="take a cell saved by an earlier run of the same setup "
+                   "(runs/bench_hypothesis/<cell>/cell.json) instead of running it again")
     args = p.parse_args()
     setup = QUICK if args.quick else FULL
     runs, expected = expected_wall_s(setup)
@@ -381,10 +421,23 @@ def main() -> None:
     started = time.monotonic()
     seed0 = 0
     cells: dict[str, dict[str, Any]] = {}
+    only = {c for c in args.cells.split(",") if c}
+    unknown = only - {f"{m}_{w}w" for m in setup.models for w in setup.cells}
+    if unknown:
+        p.error(f"unknown cell(s) {', '.join(sorted(unknown))}: the cells are "
+                + ", ".join(f"{m}_{w}w" for m in setup.models for w in setup.cells))
+    reused = []
     for model in setup.models:
         for workers, labels in setup.cells.items():
-            cells[f"{model}_{workers}w"] = run_cell(model, workers, labels, setup, seed0)
+            name = f"{model}_{workers}w"
+            saved = cached_cell(model, workers, labels, setup, seed0) if args.reuse else None
+            if saved is not None:
+                _common.say(f"[{name}] reused from {WORK / name / 'cell.json'}")
+                cells[name], reused = saved, [*reused, name]
+            elif not only or name in only:
+                cells[name] = run_cell(model, workers, labels, setup, seed0)
     wall = time.monotonic() - started
+    cell_wall = sum(c.get("wall_s", 0.0) for c in cells.values())
     for name, cell in cells.items():
         print_cell(name, cell)
     ratios, missing, spread = ratios_of(cells)
@@ -395,7 +448,8 @@ def main() -> None:
         _common.say(f"{name:44s} {value:6.2f}   {rng}")
     for name, why in missing.items():
         _common.say(f"{name:44s}    n/a   {why}")
-    _common.say(f"\nwall time {wall:.0f} s ({runs} runs, {wall / max(runs, 1):.1f} s per run)")
+    per_cell = ", ".join(f"{k} {c.get('wall_s', 0.0):.0f} s" for k, c in cells.items())
+    _common.say(f"\nwall time {wall:.0f} s this invocation; the cells' own: {cell_wall:.0f} s ({per_cell})")
     results = {
         "setup": {"data": "mnist5k, 4000 train / 1000 held out, batch 32 per worker process",
                   "models": {m: MODELS[m] for m in setup.models}, "seeds": setup.seeds, "targets": list(TARGETS),
@@ -404,7 +458,8 @@ def main() -> None:
                   "lr_choice": "every lr of the method's grid on seed 0; the best (earliest to 92%, then to 90%, "
                                "then best accuracy) runs the other seeds; seed 0's run at it is reused",
                   "runner": "python -m dniasync.compare (each run through the real launcher)",
-                  "wall_s": wall, "runs": runs},
+                  "wall_s": cell_wall, "wall_s_this_invocation": wall, "cells": list(cells),
+                  "cells_reused": reused, "runs": runs},
         "cells": cells,
         "ratio_detail": spread,
         "missing_ratios": missing,
