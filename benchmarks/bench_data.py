@@ -14,6 +14,14 @@ as a converted set (Arrow IPC files, ``python -m dniasync.data convert``'s forma
   and on one 10 times its size, the files dropped from the page cache first (``posix_fadvise(DONTNEED)``: what a
   replica meets on a host that has not read them); ``startup_10x_over_1x`` (goal <= 1.2: flat). The process's own
   seconds to open the split and take a batch (imports excluded) are in the results beside it;
+- **a set larger than the memory a trainer may use** (``large``): 6 GB of generated uint8 images (``--quick``:
+  0.8 GB) in a temporary directory (under ``$BENCH_DATA_DIR`` if set; not on tmpfs), written with progress and
+  deleted as soon as it has been read (on Ctrl-C and SIGTERM too), read whole by 2 trainer processes, one shard each
+  (block-shuffled, blocks of 8,192 rows), each in a memory cgroup of its own limited to 1.5 GB (``--quick``: 0.6 GB;
+  the limit is put on after the trainer has imported torch and taken a step). Stated per trainer: whether it
+  trained, OOM kills, rows read and MB/s, its peak RSS (``VmHWM``, mapped pages included) and its group's peak
+  (page cache included). Needs root and a cgroup v1 memory controller (``_memcg.py``; skipped with the reason in the
+  results otherwise);
 - ``sparse_push_bytes_reduction`` (dense / sparse bytes pushed per sample on the EmbeddingBag model) is a
   placeholder in the results: sparse pushes are not built yet.
 
@@ -22,8 +30,11 @@ Writes ``benchmarks/results/bench_data[_quick].json`` and ``.png``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -56,10 +67,48 @@ print(json.dumps({"imports_s": t1 - t0, "open_and_first_batch_s": time.perf_coun
 """
 
 
+LARGE_PROBE = """
+import json, sys, time, torch
+from torch.nn import functional as F
+from dniasync.train.data import DataCursor, ShardPlan
+from dniasync.train.data.source import open_split
+torch.set_num_threads(1)
+path, shard, n_shards, n_train, block = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+rows, _, _ = open_split(path, {}, n_train, 1000, 0, shuffle="blocks", block=block)
+plan = ShardPlan(n_train, n_shards, 0, "blocks", block=block, window=1)
+model = torch.nn.Linear(rows.n_features, 10)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+def step(x, y):
+    opt.zero_grad(); loss = F.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y)); loss.backward(); opt.step()
+    return float(loss.detach())
+
+idx, cursor = plan.next_batch(DataCursor(shard), 256)
+step(*rows.take(idx))  # one step first: what training holds besides the data is in the group before the limit
+print("ready", flush=True)
+sys.stdin.readline()  # the limit is on
+t0 = time.perf_counter()
+while cursor.epoch < 1:
+    rows.prefetch(plan.next_batch(cursor, 256)[0])
+    idx, cursor = plan.next_batch(cursor, 256)
+    loss = step(*rows.take(idx))
+seconds = time.perf_counter() - t0
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+kb = lambda key: int(status[key].split()[0]) * 1024
+print(json.dumps({"rows_read": rows.rows_touched, "seconds": seconds, "loss": loss, "peak_rss_bytes": kb("VmHWM"),
+                  "rss_anon_bytes": kb("RssAnon"), "rss_file_bytes": kb("RssFile")}))
+"""
+
+
 def settings(quick: bool) -> dict[str, Any]:
+    # large: a set of large_bytes read by `trainers` processes (one shard each), each in a memory cgroup limited to
+    # large_limit_bytes; blocks of large_block rows (6.4 MB) are at least the disk's read-ahead, so a block's first
+    # page fault brings in little that its shard does not read next
     if quick:
-        return {"rows": 20_000, "startup_factor": 10, "repeat": 3, "startup_repeat": 2}
-    return {"rows": 100_000, "startup_factor": 10, "repeat": 5, "startup_repeat": 5}
+        return {"rows": 20_000, "startup_factor": 10, "repeat": 5, "startup_repeat": 2,
+                "large_bytes": 800_000_000, "large_limit_bytes": 600_000_000, "large_trainers": 2, "large_block": 8192}
+    return {"rows": 100_000, "startup_factor": 10, "repeat": 5, "startup_repeat": 5,
+            "large_bytes": 6_000_000_000, "large_limit_bytes": 1_500_000_000, "large_trainers": 2, "large_block": 8192}
 
 
 def make_sets(tmp: Path, rows: int, factor: int) -> dict[str, Path]:
@@ -187,13 +236,94 @@ def startup(path: Path, rows: int, repeat: int) -> dict[str, Any]:
             "runs_s": walls}
 
 
+def write_large(dest: Path, rows: int) -> None:
+    """``rows`` random uint8 rows of WIDTH as a converted set, progress every tenth; then out of the page cache."""
+    from dniasync.train.data.converted import ConvertedWriter
+
+    rng = np.random.default_rng(1)
+    writer = ConvertedWriter(dest, dtype="uint8", shape=[WIDTH], rows_per_file=1 << 16)
+    t0, shown = time.perf_counter(), 0
+    try:
+        for start in range(0, rows, 8192):
+            k = min(8192, rows - start)
+            writer.write(np.frombuffer(rng.bytes(k * WIDTH), np.uint8).reshape(k, WIDTH), rng.integers(0, CLASSES, k))
+            if (start + k) * 10 // rows > shown:
+                shown = (start + k) * 10 // rows
+                _common.say(f"  written {(start + k) * WIDTH / 1e9:.1f} of {rows * WIDTH / 1e9:.1f} GB "
+                            f"({shown * 10}%, {time.perf_counter() - t0:.0f} s)")
+        writer.finish(scale=255.0, source="bench_data", n_classes=CLASSES)
+    except BaseException:
+        writer.abort()
+        raise
+    drop_from_page_cache(dest)  # the trainers' reads are charged to their own groups, not to this process's
+
+
+def large_set(tmp: Path, s: dict[str, Any]) -> dict[str, Any]:
+    """A set several times a trainer's memory limit, read whole by trainers each in a memory cgroup of that limit."""
+    import _memcg
+
+    reason = _memcg.unavailable()
+    if reason is not None:
+        return {"skipped": reason}
+    rows, limit, n = s["large_bytes"] // WIDTH, s["large_limit_bytes"], s["large_trainers"]
+    dest = tmp / "large"
+    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    fs = max((m for m in mounts if str(tmp.resolve()).startswith(m[1])), key=lambda m: len(m[1]))[2]
+    if fs in ("tmpfs", "ramfs"):  # its pages would be memory, not clean page cache a cgroup can drop
+        return {"skipped": f"{tmp} is on {fs}: set BENCH_DATA_DIR to a directory on a disk"}
+    if shutil.disk_usage(tmp).free < 1.1 * s["large_bytes"]:
+        return {"skipped": f"less than {1.1 * s['large_bytes'] / 1e9:.1f} GB free under {tmp}"}
+    _common.say(f"large set: writing {rows:,} rows ({rows * WIDTH / 1e9:.1f} GB) to {dest}")
+    write_large(dest, rows)
+    files = sorted(dest.glob("*.arrow"))
+    out: dict[str, Any] = {"rows": rows, "bytes": sum(f.stat().st_size for f in files), "files": len(files),
+                           "limit_bytes": limit, "block_rows": s["large_block"], "batch_size": 256, "trainers": []}
+    _common.say(f"large set: {n} trainers, one shard each, each in a memory cgroup limited to {limit / 1e9:.2f} GB")
+    with contextlib.ExitStack() as stack:
+        groups = [stack.enter_context(_memcg.MemoryGroup(f"dniasync-bench-data-{i}")) for i in range(n)]
+        procs = [g.python("-c", LARGE_PROBE, str(dest), str(i), str(n), str(rows - 1000), str(s["large_block"]))
+                 for i, g in enumerate(groups)]
+        held = []
+        for proc, group in zip(procs, groups):
+            assert proc.stdout is not None and proc.stdin is not None
+            line = proc.stdout.readline()
+            if line.strip() != "ready":
+                return {"skipped": f"a trainer did not start: {line}{proc.communicate(timeout=60)[1][-2000:]}"}
+            held.append(group.held())
+            if held[-1] >= limit:  # the groups' processes are killed on leaving the with block
+                return {"skipped": f"a trainer holds {held[-1] / 1e9:.2f} GB before reading, over the limit"}
+            group.limit(limit)
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        for i, (proc, group) in enumerate(zip(procs, groups)):
+            stdout, stderr = proc.communicate(timeout=3600)
+            trainer: dict[str, Any] = {"shard": i, "returncode": proc.returncode, "oom_kills": group.oom_kills(),
+                                       "held_before_bytes": held[i], "cgroup_peak_bytes": group.peak()}
+            if proc.returncode == 0:
+                trainer |= json.loads(stdout)
+                trainer["mb_per_s"] = trainer["rows_read"] * WIDTH / 1e6 / trainer["seconds"]
+            else:
+                trainer["stderr"] = stderr[-2000:]
+            out["trainers"].append(trainer)
+    out["oom_kills"] = sum(t["oom_kills"] for t in out["trainers"])
+    out["all_trained"] = all(t["returncode"] == 0 for t in out["trainers"])
+    out["set_over_limit"] = out["bytes"] / limit
+    out["shard_over_limit"] = out["bytes"] / n / limit
+    return out
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    large = results["large"]
+    panels = 3 if large.get("trainers") else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
+    left, right = axes[0], axes[1]
     readers = ("in_memory", "mmap", "dataloader_1_worker")
     rates = [results["read"][r]["batches_per_s"] for r in readers]
     left.bar(readers, rates, color=["tab:gray", "tab:blue", "tab:orange"])
@@ -210,12 +340,30 @@ def plot(results: dict[str, Any], path: Path) -> None:
     right.set_ylabel("seconds (page cache dropped)")
     right.set_title("start-up against data set size")
     right.legend(fontsize=8)
+    if panels == 3:
+        trainers = large["trainers"]
+        xs = np.arange(len(trainers))
+        axes[2].bar(xs - width / 2, [t.get("peak_rss_bytes", 0) / 1e9 for t in trainers], width,
+                    label="peak RSS of the process (mapped pages included)")
+        axes[2].bar(xs + width / 2, [t["cgroup_peak_bytes"] / 1e9 for t in trainers], width,
+                    label="peak of its memory cgroup (page cache included)")
+        axes[2].axhline(large["limit_bytes"] / 1e9, color="tab:red", linestyle="--", label="the cgroup's limit")
+        axes[2].set_xticks(xs, [f"trainer {t['shard']}" for t in trainers])
+        axes[2].set_ylabel("GB")
+        axes[2].set_title(f"a {large['bytes'] / 1e9:.1f} GB set, {len(trainers)} trainers, OOM kills: "
+                          f"{large['oom_kills']}")
+        axes[2].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds the with blocks: the generated sets are deleted
+
+
 def main() -> int:
     args = _common.parser(__doc__.splitlines()[0]).parse_args()
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     s = settings(args.quick)
     results: dict[str, Any] = {"config": s}
     with tempfile.TemporaryDirectory(prefix="bench_data_") as d:
@@ -228,6 +376,8 @@ def main() -> int:
         _common.say("start-up: 1x, then 10x")
         results["startup"] = {name: startup(paths[name], n, s["startup_repeat"])
                               for name, n in (("1x", s["rows"]), (big, s["rows"] * s["startup_factor"]))}
+    with tempfile.TemporaryDirectory(prefix="bench_data_large_", dir=os.environ.get("BENCH_DATA_DIR")) as d:
+        results["large"] = large_set(Path(d), s)
     results["sparse_push_bytes_reduction"] = "not built yet"  # Downpour sparse pushes of embedding rows: #29, to do
     read, start = results["read"], results["startup"]
     ratios = {
@@ -247,6 +397,21 @@ def main() -> int:
         [(name, f"{v['bytes'] / 1e6:,.0f} MB in {v['files']} files", f"{v['replica_start_s']:.2f} s",
           f"{v['open_and_first_batch_s'] * 1e3:.0f} ms") for name, v in start.items()],
         ("set", "size", "replica start", "open + first batch")))
+    large = results["large"]
+    if "skipped" in large:
+        _common.say(f"\nlarge set: skipped ({large['skipped']})")
+    else:
+        _common.say(f"\nlarge set: {large['bytes'] / 1e9:.2f} GB, each trainer limited to "
+                    f"{large['limit_bytes'] / 1e9:.2f} GB "
+                    f"(the set {large['set_over_limit']:.1f}x, a shard {large['shard_over_limit']:.1f}x the limit); "
+                    f"OOM kills: {large['oom_kills']}")
+        _common.say(_common.table(
+            [(str(t["shard"]), "yes" if t["returncode"] == 0 else f"no ({t['returncode']})",
+              f"{t.get('rows_read', 0):,}", f"{t.get('mb_per_s', 0):,.0f}",
+              f"{t.get('peak_rss_bytes', 0) / 1e6:,.0f} MB",
+              f"{t['cgroup_peak_bytes'] / 1e6:,.0f} MB", f"{t['held_before_bytes'] / 1e6:,.0f} MB")
+             for t in large["trainers"]],
+            ("trainer", "trained", "rows read", "MB/s", "peak RSS", "cgroup peak", "held before reading")))
     goals = {"mmap_vs_in_memory": ">= 0.9", "mmap_vs_dataloader": "> 1", "startup_10x_over_1x": "<= 1.2"}
     rows = [(k, f"{v:.2f}", goals[k]) for k, v in ratios.items()]
     rows += [("open_10x_over_1x (no imports)", f"{results['open_10x_over_1x']:.2f}", ""),
