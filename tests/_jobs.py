@@ -40,6 +40,22 @@ def run_job(tmp_path: Path, name: str, template: str, *, timeout: float = 400,
     return summary(out), proc
 
 
+def launch_two_at_a_time(configs: dict[str, Path], *,
+                         timeout: float = 600) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The local launcher on each of ``configs`` (``{name: config}``), two running at once: ``{name: its process}``,
+    exit codes unchecked (each test checks its own job's, so one failed job fails only its tests).
+
+    For the jobs of a module that stop at a count (epochs, iterations, a target), not at a time: a short job's wall
+    time is mostly start-up (imports, spawns, joins), one process at a time, which leaves a core idle; two jobs fill
+    it. Not more: on a 2-core machine a third only slows the other two.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        started = {name: pool.submit(launch, config, timeout) for name, config in configs.items()}
+        return {name: future.result() for name, future in started.items()}
+
+
 def run_jobs_together(tmp_path: Path, template: str, jobs: dict[str, dict[str, Any]], *,
                       timeout: float = 400) -> dict[str, dict[str, Any]]:
     """Several jobs launched at once (``{name: fields}``), each checked to exit 0: ``{name: summary}``.

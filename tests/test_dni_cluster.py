@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from _jobs import launch_two_at_a_time
+
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = """
 [job]
@@ -68,10 +70,46 @@ def summary(out: Path) -> dict[str, Any]:
     return doc
 
 
-def test_two_group_cdni_job_trains_digits_in_separate_processes(tmp_path: Path) -> None:
-    config, out = write_job(tmp_path, "dni2")
-    proc = launch(config)
+Jobs = dict[str, tuple[subprocess.CompletedProcess[str], Path]]
+"""The module's jobs once run: ``{name: (the launcher's process, the job's output directory)}``."""
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    """Every training job of the module, launched two at a time (each stops at a count of epochs, never at a time,
+    so running beside another changes how long it takes, not what it does). The MNIST one first: the digits jobs,
+    short and mostly start-up, run beside it."""
+    tmp = tmp_path_factory.mktemp("dni-jobs")
+    # examples/dni_p2p_mnist.toml for 8 epochs: measured 87.8% (seed 0; kind "ps", the same job: 88.8%)
+    dnip2p = tmp / "dnip2p.toml"
+    text = (ROOT / "examples" / "dni_p2p_mnist.toml").read_text()
+    dnip2p.write_text(text.replace('"runs/dni_p2p_mnist"', f'"{tmp / "dnip2p"}"')
+                      .replace("max_epochs = 30", "max_epochs = 8").replace("target_accuracy = 0.90", ""))
+    seconds = 300  # a bound for a hung job, not a stop rule: with another job beside it, one takes up to twice as long
+    deferred, _ = write_job(tmp, "deferred", epochs=20, seconds=seconds)
+    deferred.write_text(deferred.read_text().replace("every_seconds = 0.5", "every_steps = 40\ndeferred = true"))
+    configs = {
+        "dnip2p": dnip2p,
+        "dni2": write_job(tmp, "dni2", seconds=seconds)[0],
+        "deferred": deferred,
+        "placed": write_job(tmp, "placed", epochs=3, seconds=seconds, extra="placement = [0, 0]\n")[0],
+        "decay": write_job(tmp, "decay", epochs=4, seconds=seconds,
+                           extra='lr_decay = "linear"\nlr_decay_start = 0.25\nlr_decay_final = 0.1\n')[0],
+        "dnidp": write_job(tmp, "dnidp", epochs=6, seconds=seconds, extra="replicas = 2\n")[0],
+    }
+    done = launch_two_at_a_time(configs)
+    return {name: (done[name], tmp / name) for name in configs}
+
+
+def finished(jobs: Jobs, name: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The module's job ``name``, checked to have exited 0: (the launcher's process, its output directory)."""
+    proc, out = jobs[name]
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, out
+
+
+def test_two_group_cdni_job_trains_digits_in_separate_processes(jobs: Jobs) -> None:
+    proc, out = finished(jobs, "dni2")
     doc = summary(out)
     assert doc["stop_reason"] == "trained 8 epochs"
     assert doc["samples"] == 8 * 1400
@@ -95,11 +133,8 @@ def test_two_group_cdni_job_trains_digits_in_separate_processes(tmp_path: Path) 
 
 
 
-def test_deferred_evaluation_scores_weights_taken_during_training_after_it(tmp_path: Path) -> None:
-    config, out = write_job(tmp_path, "deferred", epochs=20)
-    config.write_text(config.read_text().replace("every_seconds = 0.5", "every_steps = 40\ndeferred = true"))
-    proc = launch(config)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_deferred_evaluation_scores_weights_taken_during_training_after_it(jobs: Jobs) -> None:
+    _, out = finished(jobs, "deferred")
     doc = summary(out)
     history = doc["history"]
     logs = (out / "logs" / "coordinator0.log").read_text()
@@ -111,22 +146,17 @@ def test_deferred_evaluation_scores_weights_taken_during_training_after_it(tmp_p
     assert walls[-1] <= doc["wall_s"]  # dated while training; the summary's wall time is the training's
     assert doc["final_accuracy"] >= 0.85 and doc["final_accuracy"] == history[-1]["accuracy"]
 
-def test_placement_puts_both_groups_in_one_worker_process(tmp_path: Path) -> None:
-    config, out = write_job(tmp_path, "placed", epochs=3, extra="placement = [0, 0]\n")
-    proc = launch(config)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_placement_puts_both_groups_in_one_worker_process(jobs: Jobs) -> None:
+    _, out = finished(jobs, "placed")
     metrics = summary(out)["metrics"]
     workers = [c["address"] for c in json.loads((out / "cluster.json").read_text())["children"] if c["role"] == "worker"]
     assert workers == [metrics["stage0_address"].split("@")[1]] == [metrics["stage1_address"].split("@")[1]]
 
 
-def test_lr_decay_reaches_every_stage_of_a_job_from_the_data_cursor(tmp_path: Path) -> None:
+def test_lr_decay_reaches_every_stage_of_a_job_from_the_data_cursor(jobs: Jobs) -> None:
     from dniasync.train.pipeline import LrDecay
 
-    config, out = write_job(tmp_path, "decay", epochs=4,
-                            extra='lr_decay = "linear"\nlr_decay_start = 0.25\nlr_decay_final = 0.1\n')
-    proc = launch(config)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _, out = finished(jobs, "decay")
     doc = summary(out)
     assert doc["stop_reason"] == "trained 4 epochs" and doc["final_accuracy"] >= 0.85, doc["history"]
     # the last batch starts 43 batches of 32 into the 4th epoch of 1,400 examples: both stages, in their own
@@ -137,10 +167,8 @@ def test_lr_decay_reaches_every_stage_of_a_job_from_the_data_cursor(tmp_path: Pa
         assert doc["metrics"][f"stage{k}_lr_last"] == pytest.approx(want, rel=1e-9), doc["metrics"]
 
 
-def test_dni_times_downpour_replicas_share_each_group_through_its_ps_shard(tmp_path: Path) -> None:
-    config, out = write_job(tmp_path, "dnidp", epochs=6, extra="replicas = 2\n")
-    proc = launch(config)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_dni_times_downpour_replicas_share_each_group_through_its_ps_shard(jobs: Jobs) -> None:
+    _, out = finished(jobs, "dnidp")
     doc = summary(out)
     assert doc["final_accuracy"] >= 0.8, doc["history"]
     metrics = doc["metrics"]
@@ -199,15 +227,8 @@ def test_bad_dni_configs_fail_at_start_naming_the_problem(
     assert not (out / "logs").exists()  # nothing was started
 
 
-def test_dni_times_p2p_stage_replicas_apply_every_update_their_peer_sent(tmp_path: Path) -> None:
-    # examples/dni_p2p_mnist.toml for 8 epochs: measured 87.8% (seed 0; kind "ps", the same job: 88.8%)
-    out = tmp_path / "dnip2p"
-    config = tmp_path / "dnip2p.toml"
-    text = (ROOT / "examples" / "dni_p2p_mnist.toml").read_text()
-    config.write_text(text.replace('"runs/dni_p2p_mnist"', f'"{out}"').replace("max_epochs = 30", "max_epochs = 8")
-                      .replace("target_accuracy = 0.90", ""))
-    proc = launch(config)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_dni_times_p2p_stage_replicas_apply_every_update_their_peer_sent(jobs: Jobs) -> None:
+    proc, out = finished(jobs, "dnip2p")  # examples/dni_p2p_mnist.toml for 8 epochs
     assert "0 PS shard(s), 4 stage worker(s)" in proc.stdout
     doc = summary(out)
     assert doc["final_accuracy"] >= 0.85, doc["history"]

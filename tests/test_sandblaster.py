@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from _jobs import launch_two_at_a_time
 from dniasync import _core
 from dniasync.cluster.config import load_config
 from dniasync.cluster.modes.sandblaster import PARAMS_FILE
@@ -207,7 +208,12 @@ def finish(launcher: subprocess.Popen[str], out: Path, timeout: float = 600) -> 
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    assert launcher.returncode == 0, stdout + stderr
+    return finished(subprocess.CompletedProcess(launcher.args, launcher.returncode, stdout, stderr), out)
+
+
+def finished(proc: subprocess.CompletedProcess[str], out: Path) -> dict[str, Any]:
+    """The summary of a job that ended: it exited 0, L-BFGS having run all its iterations."""
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     doc: dict[str, Any] = json.loads((out / "summary.json").read_text())
     assert doc["stop_reason"] == "L-BFGS stopped: max_iterations", doc["stop_reason"]
     return doc
@@ -265,9 +271,27 @@ def workers(out: Path) -> list[dict[str, Any]]:
     return [c for c in json.loads((out / "cluster.json").read_text())["children"] if c["role"] == "worker"]
 
 
-def test_two_shards_and_two_replicas_give_the_single_process_iterates(tmp_path: Path) -> None:
-    config, out = write_job(tmp_path, "exact")
-    doc = finish(launch(config), out)
+Undisturbed = dict[str, tuple[subprocess.CompletedProcess[str], Path, Path]]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> Undisturbed:
+    """The two jobs nothing is done to, launched together (their results are iterates and byte counts, the same
+    however fast they run; their start-ups overlap): ``{name: (launcher, config, out)}``."""
+    tmp = tmp_path_factory.mktemp("sandblaster")
+    jobs = {
+        "exact": write_job(tmp, "exact"),
+        # 784 -> 1270 -> 10: 1,009,660 parameters; a full history of 4 pairs is reached by iteration 5
+        "traffic": write_job(tmp, "traffic", sizes="[784, 1270, 10]", n_train=200, history=4, iterations=6,
+                             portion=50),
+    }
+    done = launch_two_at_a_time({name: config for name, (config, _) in jobs.items()})
+    return {name: (done[name], config, out) for name, (config, out) in jobs.items()}
+
+
+def test_two_shards_and_two_replicas_give_the_single_process_iterates(undisturbed: Undisturbed) -> None:
+    proc, config, out = undisturbed["exact"]
+    doc = finished(proc, out)
     assert_same_iterates(out, doc, config)
     m = doc["metrics"]
     assert m["evaluations"] >= 21 and m["line_search_evals"] >= 20
@@ -277,11 +301,10 @@ def test_two_shards_and_two_replicas_give_the_single_process_iterates(tmp_path: 
     assert (out / "accuracy.png").exists()
 
 
-def test_coordinator_bytes_per_iteration_stay_below_one_percent_of_a_1m_parameter_vector(tmp_path: Path) -> None:
-    # 784 -> 1270 -> 10: 1,009,660 parameters; a full history of 4 pairs is reached by iteration 5
-    config, out = write_job(tmp_path, "traffic", sizes="[784, 1270, 10]", n_train=200, history=4, iterations=6,
-                            portion=50)
-    doc = finish(launch(config), out)
+def test_coordinator_bytes_per_iteration_stay_below_one_percent_of_a_1m_parameter_vector(
+        undisturbed: Undisturbed) -> None:
+    proc, _, out = undisturbed["traffic"]
+    doc = finished(proc, out)
     m = doc["metrics"]
     assert m["param_vector_bytes"] == 8 * 1_009_660
     assert m["coordinator_bytes_per_iteration"] <= 0.01 * m["param_vector_bytes"], m

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from _jobs import launch_two_at_a_time, summary, write_job
 from dniasync.train.data import DataCursor, ShardPlan
 from dniasync.train.schedules import BatchSchedule, NormTest, ScheduleSpec
+
+Jobs = dict[str, tuple[subprocess.CompletedProcess[str], Path]]
+"""The module's jobs once run: ``{name: (the launcher's process, the job's output directory)}``."""
 
 
 def test_stepwise_growth_doubles_every_k_epochs_up_to_end_and_keeps_lr_by_default() -> None:
@@ -107,21 +109,45 @@ every_seconds = 1.0
 """
 
 
-def run_downpour(tmp_path: Path, name: str, schedule: str) -> dict[str, Any]:
-    out = tmp_path / name
-    config = tmp_path / f"{name}.toml"
-    config.write_text(JOB.format(name=name, out=out, schedule=schedule))
-    proc = subprocess.run([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
-                          capture_output=True, text=True, timeout=600)
+DYNAMIC = "[schedule]\nkind = 'dynamic'\nend = 256\ntheta = 0.25\nchunks = 4\ntest_every = 5\n"
+HOGWILD = JOB.replace('mode = "downpour"', 'mode = "hogwild"').replace(
+    "[downpour]\nn_replicas = 2\nn_ps_shards = 1\n", "")
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    """Every job of the module, launched two at a time (each stops at a count of epochs or L-BFGS iterations, never
+    at a time, so running beside another changes how long it takes, not what it does): ``{name: (launcher, out)}``."""
+    tmp = tmp_path_factory.mktemp("schedules")
+    texts = {
+        "fixed": JOB.replace("{schedule}", ""),
+        "grown": JOB.replace("{schedule}", "[schedule]\nkind = 'stepwise'\nend = 128\nevery_epochs = 1.0\n"),
+        "downpour": JOB.replace("{schedule}", DYNAMIC),
+        "hogwild": HOGWILD.replace("{schedule}", "[hogwild]\nn_workers = 2\n" + DYNAMIC),
+        "pipeline": PIPELINE_JOB,
+        "pipeline_dynamic": PIPELINE_JOB.replace('kind = "stepwise"\nend = 128\nevery_epochs = 1.0',
+                                                 'kind = "dynamic"\nend = 256\ntheta = 0.25\ntest_every = 5'),
+        "sandblaster": SANDBLASTER_JOB,
+        "sandblaster_dynamic": SANDBLASTER_JOB.replace(
+            'kind = "stepwise"\nstart = 150\nend = 1400\nevery_epochs = 2.0',
+            'kind = "dynamic"\nstart = 200\nend = 1400\ntheta = 0.25'),
+    }
+    configs = {name: write_job(tmp, name, text)[0] for name, text in texts.items()}
+    done = launch_two_at_a_time(configs)
+    return {name: (done[name], tmp / name) for name in texts}
+
+
+def finished(jobs: Jobs, name: str, stop_reason: str) -> dict[str, Any]:
+    """The summary of the module's job ``name``, checked to have exited 0 for ``stop_reason``."""
+    proc, out = jobs[name]
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc: dict[str, Any] = json.loads((out / "summary.json").read_text())
-    assert doc["stop_reason"] == "trained 4 epochs", doc["stop_reason"]
+    doc = summary(out)
+    assert doc["stop_reason"] == stop_reason, doc["stop_reason"]
     return doc
 
 
-def test_a_downpour_job_with_a_stepwise_schedule_takes_fewer_larger_steps(tmp_path: Path) -> None:
-    fixed = run_downpour(tmp_path, "fixed", "")
-    grown = run_downpour(tmp_path, "grown", "[schedule]\nkind = 'stepwise'\nend = 128\nevery_epochs = 1.0\n")
+def test_a_downpour_job_with_a_stepwise_schedule_takes_fewer_larger_steps(jobs: Jobs) -> None:
+    fixed, grown = (finished(jobs, name, "trained 4 epochs") for name in ("fixed", "grown"))
 
     def per_push(doc: dict[str, Any]) -> float:  # n_push = 1: one push per step
         return float(doc["samples"]) / doc["metrics"]["ps0_applied"]
@@ -132,18 +158,9 @@ def test_a_downpour_job_with_a_stepwise_schedule_takes_fewer_larger_steps(tmp_pa
     assert grown["final_accuracy"] > 0.5
 
 
-DYNAMIC = "[schedule]\nkind = 'dynamic'\nend = 256\ntheta = 0.25\nchunks = 4\ntest_every = 5\n"
-
-
 @pytest.mark.parametrize("mode", ["downpour", "hogwild"])
-def test_dynamic_sampling_grows_each_workers_batch_when_its_norm_test_fails(mode: str, tmp_path: Path) -> None:
-    schedule = DYNAMIC
-    if mode == "hogwild":
-        schedule = "[hogwild]\nn_workers = 2\n" + DYNAMIC
-    text = JOB.replace('mode = "downpour"', f'mode = "{mode}"')
-    if mode == "hogwild":
-        text = text.replace("[downpour]\nn_replicas = 2\nn_ps_shards = 1\n", "")
-    doc = run_job(tmp_path, mode, text.replace("{schedule}", schedule), "trained 4 epochs")
+def test_dynamic_sampling_grows_each_workers_batch_when_its_norm_test_fails(mode: str, jobs: Jobs) -> None:
+    doc = finished(jobs, mode, "trained 4 epochs")
     grown: dict[str, list[int]] = {}
     for e in doc["events"]:
         if e["kind"] == "batch_size":
@@ -215,20 +232,8 @@ every_epochs = 1.0
 """
 
 
-def run_job(tmp_path: Path, name: str, text: str, stop_reason: str) -> dict[str, Any]:
-    out = tmp_path / name
-    config = tmp_path / f"{name}.toml"
-    config.write_text(text.format(name=name, out=out))
-    proc = subprocess.run([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc: dict[str, Any] = json.loads((out / "summary.json").read_text())
-    assert doc["stop_reason"] == stop_reason, doc["stop_reason"]
-    return doc
-
-
-def test_a_pipeline_job_trains_on_the_batches_its_schedule_grows(tmp_path: Path) -> None:
-    doc = run_job(tmp_path, "pipeline", PIPELINE_JOB, "trained 4 epochs")
+def test_a_pipeline_job_trains_on_the_batches_its_schedule_grows(jobs: Jobs) -> None:
+    doc = finished(jobs, "pipeline", "trained 4 epochs")
     grown = [(e["epoch"], e["position"], e["batch_size"]) for e in doc["events"] if e["kind"] == "batch_size"]
     assert grown == [(0, 0, 16), (1, 0, 32), (2, 0, 64), (3, 0, 128)]
     # every batch reached the last stage, which steps once per batch: 88 + 44 + 22 + 11 batches, not 4 x 88
@@ -236,10 +241,8 @@ def test_a_pipeline_job_trains_on_the_batches_its_schedule_grows(tmp_path: Path)
     assert doc["samples"] == 4 * 1400
 
 
-def test_a_pipeline_grows_its_batch_when_the_norm_test_at_its_last_stage_fails(tmp_path: Path) -> None:
-    text = PIPELINE_JOB.replace('kind = "stepwise"\nend = 128\nevery_epochs = 1.0',
-                                'kind = "dynamic"\nend = 256\ntheta = 0.25\ntest_every = 5')
-    doc = run_job(tmp_path, "pipeline_dynamic", text, "trained 4 epochs")
+def test_a_pipeline_grows_its_batch_when_the_norm_test_at_its_last_stage_fails(jobs: Jobs) -> None:
+    doc = finished(jobs, "pipeline_dynamic", "trained 4 epochs")
     sizes = [e["batch_size"] for e in doc["events"] if e["kind"] == "batch_size"]
     assert sizes[0] == 16 and len(sizes) >= 2, sizes  # the first batch's size, then at least one growth
     assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes) and sizes[-1] <= 256
@@ -286,8 +289,8 @@ every_epochs = 2.0
 """
 
 
-def test_sandblaster_takes_its_loss_on_a_sample_that_grows_with_the_schedule(tmp_path: Path) -> None:
-    doc = run_job(tmp_path, "sandblaster", SANDBLASTER_JOB, "L-BFGS stopped: max_iterations")
+def test_sandblaster_takes_its_loss_on_a_sample_that_grows_with_the_schedule(jobs: Jobs) -> None:
+    doc = finished(jobs, "sandblaster", "L-BFGS stopped: max_iterations")
     m = doc["metrics"]
     changes = [tuple(int(v) for v in pair.split(":")) for pair in m["sample_sizes"].split(",")]
     # 150, 300, 600, 1200, 2400 in whole portions of 100 (150 rounds up), at most the 1,400 training examples;
@@ -301,10 +304,8 @@ def test_sandblaster_takes_its_loss_on_a_sample_that_grows_with_the_schedule(tmp
     assert m["sample_size"] == 1400 and m["iterations"] == 40
 
 
-def test_sandblaster_grows_its_sample_when_the_norm_test_on_its_portions_fails(tmp_path: Path) -> None:
-    text = SANDBLASTER_JOB.replace('kind = "stepwise"\nstart = 150\nend = 1400\nevery_epochs = 2.0',
-                                   'kind = "dynamic"\nstart = 200\nend = 1400\ntheta = 0.25')
-    doc = run_job(tmp_path, "sandblaster_dynamic", text, "L-BFGS stopped: max_iterations")
+def test_sandblaster_grows_its_sample_when_the_norm_test_on_its_portions_fails(jobs: Jobs) -> None:
+    doc = finished(jobs, "sandblaster_dynamic", "L-BFGS stopped: max_iterations")
     m = doc["metrics"]
     changes = [tuple(int(v) for v in pair.split(":")) for pair in m["sample_sizes"].split(",")]
     sizes = [size for _, size in changes]
