@@ -30,6 +30,7 @@ files and pages (:attr:`ConvertedDataset.rows_read`, :meth:`ConvertedDataset.map
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -159,25 +160,67 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-class _Part:
-    """One mapped file: its record batches as numpy views of the mapping (no copy)."""
+def _layout(source: Any, reader: Any, path: Path, row_bytes: int) -> tuple[IndexArray, IndexArray, IndexArray]:
+    """Where a mapped file's record batches are: their first rows (and the end), the byte offsets of their
+    features and of their labels in the file. Fails naming the file if a batch is not stored as it is read."""
+    source.seek(0)
+    base = np.frombuffer(source.read_buffer(), dtype=np.uint8)  # the mapping itself: no page is read
+    starts, x_at, y_at = [0], [], []
+    for i in range(reader.num_record_batches):
+        batch = reader.get_batch(i)
+        x_at.append(batch.column(X).values.to_numpy(zero_copy_only=True).ctypes.data - base.ctypes.data)
+        y_at.append(batch.column(Y).to_numpy(zero_copy_only=True).ctypes.data - base.ctypes.data)
+        starts.append(starts[-1] + batch.num_rows)
+    first = np.asarray(starts, dtype=np.int64)
+    xa, ya = np.asarray(x_at, dtype=np.int64), np.asarray(y_at, dtype=np.int64)
+    sizes = np.diff(first)
+    outside = (xa < 0) | (ya < 0) | (xa + sizes * row_bytes > base.size) | (ya + sizes * 8 > base.size)
+    if bool(outside[sizes > 0].any()):
+        raise DatasetError(f"{path}: record batches not stored in the file as they are read (compressed?)")
+    return first, xa, ya
 
-    def __init__(self, path: Path, n_features: int) -> None:
+
+def _rows_at_every_byte(whole: NDArray[np.uint8], width: int) -> NDArray[np.uint8]:
+    """``whole`` seen as rows of ``width`` bytes starting at every byte: row ``i`` is ``whole[i:i + width]``."""
+    n = max(whole.size - width + 1, 0)
+    return np.lib.stride_tricks.as_strided(whole, shape=(n, width), strides=(1, 1), writeable=False)
+
+
+class _Part:
+    """One mapped file, its rows addressed by byte offset in the mapping (nothing is copied until a batch is taken).
+
+    Arrow keeps each record batch's buffers contiguous but puts headers between batches, so the file is not one
+    array of rows; a view of the whole mapping with a row starting at every byte makes any row, in any record batch,
+    one index, and a batch's rows one fancy-indexing copy (numpy releases the GIL for it).
+    """
+
+    def __init__(self, path: Path, row_bytes: int, layout: tuple[IndexArray, IndexArray, IndexArray]) -> None:
         import pyarrow as pa
-        import pyarrow.ipc as ipc
 
         self.source = pa.memory_map(str(path), "r")
-        reader = ipc.open_file(self.source)
-        starts, xs, ys = [0], [], []
-        for i in range(reader.num_record_batches):
-            batch = reader.get_batch(i)
-            flat = batch.column(X).values.to_numpy(zero_copy_only=True)
-            xs.append(flat.reshape(-1, n_features))
-            ys.append(batch.column(Y).to_numpy(zero_copy_only=True))
-            starts.append(starts[-1] + batch.num_rows)
-        self.starts = np.asarray(starts, dtype=np.int64)
-        self.xs: list[NDArray[Any]] = xs
-        self.ys: list[NDArray[np.int64]] = ys
+        whole = np.frombuffer(self.source.read_buffer(), dtype=np.uint8)
+        self.x, self.y = _rows_at_every_byte(whole, row_bytes), _rows_at_every_byte(whole, 8)
+        self.row_bytes = row_bytes
+        self.starts, x_at, y_at = layout
+        # local row r of record batch b is at base[b] + r * width
+        self._x_base = x_at - self.starts[:-1] * row_bytes
+        self._y_base = y_at - self.starts[:-1] * 8
+        sizes = np.diff(self.starts)
+        # record batches of one size (the writer's, all but the last): a row's batch is a division
+        uniform = sizes.size > 1 and sizes[0] > 0 and bool((sizes[:-1] == sizes[0]).all())
+        self._batch_rows = int(sizes[0]) if uniform else 0
+
+    def take(self, local: IndexArray) -> tuple[NDArray[np.uint8], IndexArray]:
+        """Rows ``local`` of this file: their features' bytes ``[k, row_bytes]`` and their labels."""
+        if self._batch_rows:
+            b = np.minimum(local // self._batch_rows, self._x_base.size - 1)
+        else:
+            b = np.searchsorted(self.starts, local, side="right") - 1
+        return self.at(self._x_base[b] + local * self.row_bytes, self._y_base[b] + local * 8)
+
+    def at(self, x_offsets: IndexArray, y_offsets: IndexArray) -> tuple[NDArray[np.uint8], IndexArray]:
+        """The rows whose features and labels start at these byte offsets."""
+        return self.x[x_offsets], self.y[y_offsets].view(np.int64).reshape(-1)
 
 
 class ConvertedDataset:
@@ -194,8 +237,10 @@ class ConvertedDataset:
         self.manifest = m = Manifest.load(self.path)
         self.name = self.path.name
         self._file_starts = np.cumsum([0, *(f.rows for f in m.files)]).astype(np.int64)
-        for entry in m.files:
-            self._check_file(entry, verify_checksums)
+        self._starts: list[int] = self._file_starts.tolist()
+        self.row_bytes = self.n_features * np.dtype(m.dtype).itemsize
+        """Bytes of one row's features in the files."""
+        self._layouts = [self._check_file(entry, verify_checksums) for entry in m.files]
         self._parts: dict[int, _Part] = {}
         self._lock = threading.Lock()
         self.rows_read = 0
@@ -216,28 +261,30 @@ class ConvertedDataset:
     def tokens(self) -> bool:
         return self.manifest.kind == "tokens"
 
-    def _check_file(self, entry: FileEntry, verify_checksums: bool) -> None:
+    def _check_file(self, entry: FileEntry, verify_checksums: bool) -> tuple[IndexArray, IndexArray, IndexArray]:
+        """Check one file against the manifest; its record batches' layout (:func:`_layout`)."""
         import pyarrow as pa
         import pyarrow.ipc as ipc
 
         path = self.path / entry.name
         if not path.is_file():
             raise DatasetError(f"{path}: missing (listed in {self.path / MANIFEST})")
+        expected = {X: pa.list_(pa.from_numpy_dtype(np.dtype(self.manifest.dtype)), self.n_features), Y: pa.int64()}
         try:
             with pa.memory_map(str(path), "r") as source:
                 reader = ipc.open_file(source)
-                schema, rows = reader.schema, sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+                for column, arrow_type in expected.items():
+                    if column not in reader.schema.names:
+                        raise DatasetError(f"{path}: no column {column!r} (has {reader.schema.names})")
+                    got = reader.schema.field(column).type
+                    if got != arrow_type:
+                        raise DatasetError(f"{path}: column {column!r} is {got}, the manifest says {arrow_type}")
+                layout = _layout(source, reader, path, self.row_bytes)
         except (pa.ArrowInvalid, OSError) as e:
             size = path.stat().st_size
             raise DatasetError(f"{path}: not a readable Arrow IPC file ({size} bytes, the manifest says "
                                f"{entry.bytes}: truncated?): {e}") from None
-        expected = {X: pa.list_(pa.from_numpy_dtype(np.dtype(self.manifest.dtype)), self.n_features), Y: pa.int64()}
-        for column, arrow_type in expected.items():
-            if column not in schema.names:
-                raise DatasetError(f"{path}: no column {column!r} (has {schema.names})")
-            got = schema.field(column).type
-            if got != arrow_type:
-                raise DatasetError(f"{path}: column {column!r} is {got}, the manifest says {arrow_type}")
+        rows = int(layout[0][-1])
         if rows != entry.rows:
             raise DatasetError(f"{path}: {rows} rows, the manifest says {entry.rows}")
         size = path.stat().st_size
@@ -245,6 +292,7 @@ class ConvertedDataset:
             raise DatasetError(f"{path}: {size} bytes, the manifest says {entry.bytes}")
         if verify_checksums and _sha256(path) != entry.sha256:
             raise DatasetError(f"{path}: sha256 does not match the manifest's (the file changed after conversion)")
+        return layout
 
     def verify(self) -> None:
         """Check every file's sha256 against the manifest."""
@@ -257,8 +305,19 @@ class ConvertedDataset:
             with self._lock:
                 part = self._parts.get(k)
                 if part is None:
-                    part = self._parts[k] = _Part(self.path / self.manifest.files[k].name, self.n_features)
+                    part = self._parts[k] = _Part(self.path / self.manifest.files[k].name, self.row_bytes,
+                                                  self._layouts[k])
         return part
+
+    def record_batches(self) -> tuple[IndexArray, IndexArray, IndexArray, IndexArray]:
+        """Every record batch of the set, in row order: its first row (and the set's end), its file, and the byte
+        offsets of its features and labels in that file (what :meth:`gather_at` takes)."""
+        first = [self._file_starts[k] + layout[0][:-1] for k, layout in enumerate(self._layouts)]
+        files = [np.full(layout[1].size, k, dtype=np.int64) for k, layout in enumerate(self._layouts)]
+        none = np.empty(0, dtype=np.int64)
+        return (np.concatenate([*first, [len(self)]]).astype(np.int64), np.concatenate([none, *files]),
+                np.concatenate([none, *(layout[1] for layout in self._layouts)]),
+                np.concatenate([none, *(layout[2] for layout in self._layouts)]))
 
     def mapped(self) -> list[str]:
         """Names of the files this process has mapped so far."""
@@ -271,29 +330,42 @@ class ConvertedDataset:
         readers compute it: bit for bit the same values); token sets give int64.
         """
         rows = np.asarray(rows, dtype=np.int64)
-        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= len(self)):
-            raise DatasetError(f"{self.name}: rows outside [0, {len(self)})")
         m = self.manifest
-        x = np.empty((rows.size, self.n_features), dtype=np.dtype(m.dtype))
-        y = np.empty(rows.size, dtype=np.int64)
-        files = np.searchsorted(self._file_starts, rows, side="right") - 1
-        for k in np.unique(files):
-            sel = np.flatnonzero(files == k)
-            part = self._part(int(k))
-            local = rows[sel] - self._file_starts[k]
-            batches = np.searchsorted(part.starts, local, side="right") - 1
-            for b in np.unique(batches):
-                inner = np.flatnonzero(batches == b)
-                within = local[inner] - part.starts[b]
-                x[sel[inner]] = part.xs[b][within]
-                y[sel[inner]] = part.ys[b][within]
+        if rows.size == 0:
+            x = np.empty((0, self.n_features), dtype=np.dtype(m.dtype))
+            y = np.empty(0, dtype=np.int64)
+        else:
+            lo, hi = int(rows.min()), int(rows.max())
+            if lo < 0 or hi >= len(self):
+                raise DatasetError(f"{self.name}: rows outside [0, {len(self)})")
+            k = bisect.bisect_right(self._starts, lo) - 1
+            if hi < self._starts[k + 1]:  # one file: nearly every batch, since a file holds many blocks
+                raw, y = self._part(k).take(rows - self._starts[k])
+            else:
+                raw = np.empty((rows.size, self.row_bytes), dtype=np.uint8)
+                y = np.empty(rows.size, dtype=np.int64)
+                files = np.searchsorted(self._file_starts, rows, side="right") - 1
+                for k in np.unique(files).tolist():
+                    sel = np.flatnonzero(files == k)
+                    raw[sel], y[sel] = self._part(k).take(rows[sel] - self._starts[k])
+            x = raw.view(np.dtype(m.dtype))
         self.rows_read += int(rows.size)
+        return self._values(x), y
+
+    def gather_at(self, file: int, x_offsets: IndexArray, y_offsets: IndexArray) -> tuple[NDArray[Any], IndexArray]:
+        """:meth:`gather` for rows of one file located by the caller: their byte offsets (:meth:`record_batches`)."""
+        raw, y = self._part(file).at(x_offsets, y_offsets)
+        self.rows_read += int(y.size)
+        return self._values(raw.view(np.dtype(self.manifest.dtype))), y
+
+    def _values(self, x: NDArray[Any]) -> NDArray[Any]:
         if self.tokens:
-            return x.astype(np.int64), y
-        out = x.astype(np.float32)
-        if m.scale != 1.0:
-            out /= np.float32(m.scale)
-        return out, y
+            return x.astype(np.int64)
+        if self.manifest.scale == 1.0:
+            return x.astype(np.float32)
+        # one pass: each element cast to float32, then divided in float32, as the in-memory readers do it
+        scaled: NDArray[np.float32] = np.divide(x, np.float32(self.manifest.scale), dtype=np.float32)
+        return scaled
 
 
 class ConvertedWriter:

@@ -60,6 +60,8 @@ class RowOrder:
         self._blocks = np.random.default_rng([seed, _SPLIT_STREAM, 1]).permutation(n_blocks).astype(np.int64)
         sizes = np.minimum(block, n_rows - self._blocks * block)
         self._starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        # row = position + shift of its block (the block's first row minus its first position)
+        self._shift = self._blocks * block - self._starts[:-1]
 
     def rows(self, positions: IndexArray) -> IndexArray:
         """The rows at ``positions`` (in the split's order: train first, then held-out)."""
@@ -68,8 +70,14 @@ class RowOrder:
             raise DatasetError(f"positions outside [0, {self.n_rows})")
         if self.shuffle == "global":
             return self._perm[positions]
-        k = np.searchsorted(self._starts, positions, side="right") - 1
-        return self._blocks[k] * self.block + (positions - self._starts[k])
+        return positions + self._shift[np.searchsorted(self._starts, positions, side="right") - 1]
+
+    def runs(self) -> tuple[IndexArray, IndexArray]:
+        """``"blocks"``: the position each block starts at (and the end), and the row it starts at; a block's
+        positions are consecutive rows from there."""
+        if self.shuffle != "blocks":
+            raise DatasetError(f"shuffle {self.shuffle!r} has no runs of rows")
+        return self._starts, self._blocks * self.block
 
 
 def shard_indices(n: int, n_shards: int, shard: int, epoch: int, seed: int) -> IndexArray:

@@ -70,6 +70,31 @@ class MemoryRows(TrainRows):
         return self.x[positions], self.y[positions]
 
 
+class _Runs:
+    """Where a :class:`MappedRows`' blocks of positions lie in the files, so that a batch's byte offsets are three
+    array operations: the block of each position (one search), then ``base[block] + position * width``.
+
+    One entry per block (``"blocks"`` order), cut to ``[0, n)``, and a last one for positions outside it. A block
+    whose rows cross from one record batch into the next has no file (-1): batches that touch it, or positions
+    outside ``[0, n)``, take the general path (:meth:`ConvertedDataset.gather`, which also says what is wrong).
+    """
+
+    def __init__(self, data: ConvertedDataset, order: RowOrder, n: int, offset: int) -> None:
+        starts, first_row = order.runs()
+        lo = max(int(np.searchsorted(starts, offset, side="right")) - 1, 0)
+        hi = int(np.searchsorted(starts, offset + n, side="left"))  # blocks [lo, hi) hold [offset, offset + n)
+        begin, end, row = starts[lo:hi] - offset, starts[lo + 1:hi + 1] - offset, first_row[lo:hi]
+        batch_first, batch_file, x_at, y_at = data.record_batches()
+        g = np.searchsorted(batch_first, row, side="right") - 1  # the record batch of each block's first row
+        inside = row + (end - begin) <= batch_first[g + 1]
+        self.bounds = np.concatenate([np.clip(begin, 0, n), [n]])
+        self.file = np.concatenate([np.where(inside, batch_file[g], -1), [-1]])
+        # position p of a block is row (row - begin + p), at x_at[g] + (row - begin + p - batch_first[g]) * width
+        self.x = np.concatenate([x_at[g] + (row - begin - batch_first[g]) * data.row_bytes, [0]])
+        self.y = np.concatenate([y_at[g] + (row - begin - batch_first[g]) * 8, [0]])
+        self.row_bytes = data.row_bytes
+
+
 class MappedRows(TrainRows):
     """Positions ``[offset, offset + n)`` of a :class:`RowOrder` over a memory-mapped converted set.
 
@@ -78,9 +103,13 @@ class MappedRows(TrainRows):
     """
 
     def __init__(self, data: ConvertedDataset, order: RowOrder, n: int, offset: int = 0) -> None:
+        if offset < 0 or n < 0 or offset + n > order.n_rows or order.n_rows != len(data):
+            raise DatasetError(f"{data.name}: positions [{offset}, {offset + n}) of an order over {order.n_rows} "
+                               f"rows, the set has {len(data)}")
         self.data, self.order, self.n, self.offset = data, order, n, offset
         self.name = f"{data.name}[train]"
         self.n_features, self.n_classes = data.n_features, data.n_classes
+        self._runs = _Runs(data, order, n, offset) if order.shuffle == "blocks" else None
         self._pool: ThreadPoolExecutor | None = None
         self._pending: OrderedDict[bytes, Future[tuple[NDArray[Any], IndexArray]]] = OrderedDict()
         self._lock = threading.Lock()
@@ -99,6 +128,14 @@ class MappedRows(TrainRows):
         return self.data.rows_read
 
     def _read(self, positions: IndexArray) -> tuple[NDArray[Any], IndexArray]:
+        positions = np.asarray(positions, dtype=np.int64)
+        runs = self._runs
+        if runs is not None and positions.size:
+            j = np.searchsorted(runs.bounds, positions, side="right") - 1
+            files = runs.file[j]
+            k = int(files.min())
+            if k >= 0 and k == int(files.max()):  # in [0, n), in one file: nearly every batch
+                return self.data.gather_at(k, runs.x[j] + positions * runs.row_bytes, runs.y[j] + positions * 8)
         return self.data.gather(self.rows_of(positions))
 
     def _submit(self, positions: IndexArray) -> Future[tuple[NDArray[Any], IndexArray]]:
