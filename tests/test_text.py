@@ -1,5 +1,6 @@
 """Text classification end to end (#29): seeded reviews converted by the CLI with both tokenizers, fastText trained
-by Downpour from each (the shipped example's job), Kim's CNN cut into pipeline stages and trained on token ids.
+by Downpour from each (the shipped example's job, which pushes only the embedding rows a batch touched), that job's
+sparse pushes against dense ones, Kim's CNN cut into pipeline stages and trained on token ids.
 
 The reviews' label rule (:func:`~dniasync.train.data.text.generate_reviews`): 4 sentiment words per review, the
 class is how many are positive (0-4, uniform). Chance is 0.2; a model that only tells positive reviews from negative
@@ -19,6 +20,8 @@ import pytest
 import torch
 
 from _jobs import run_jobs_together
+from dniasync.cluster.config import load_config
+from dniasync.cluster.plan import model_spec
 from dniasync.train.data import ConvertedDataset
 from dniasync.train.data.text import generate_reviews
 from dniasync.train.models import kim_cnn
@@ -107,7 +110,8 @@ def test_both_tokenizers_give_token_sets_and_the_saved_tokenizer_gives_the_same_
 
 @pytest.fixture(scope="module")
 def text_jobs(reviews: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """The shipped example's Downpour job on each tokenizer's set, and a Kim CNN pipeline: launched together."""
+    """The shipped example's Downpour job on each tokenizer's set, the WordPiece one for 2 epochs in batches of 16
+    with sparse and with dense pushes, and a Kim CNN pipeline: launched together."""
     tmp = tmp_path_factory.mktemp("text-jobs")
     example = EXAMPLE.read_text()
     jobs = {}
@@ -117,6 +121,21 @@ def text_jobs(reviews: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                .replace('output_dir = "runs/text_reviews_fasttext"', f'output_dir = "{tmp / name}"'))
         assert str(dest) in job and str(tmp / name) in job
         jobs[name] = {"job": job}
+        if tokenizer == "wordpiece":  # sparse against dense pushes over the same work: batches of 16, 2 epochs
+            fixed = (job.replace("max_epochs = 6", "max_epochs = 2").replace("target_accuracy = 0.95\n", "")
+                     .replace("batch_size = 32", "batch_size = 16"))
+            for sparse in ('"auto"', "false"):
+                pushes = "sparse" if sparse == '"auto"' else "dense"
+                compare = (fixed.replace('sparse = "auto"', f"sparse = {sparse}")
+                           .replace(str(tmp / name), str(tmp / f"{name}-{pushes}")))
+                assert f"sparse = {sparse}" in compare and "target_accuracy" not in compare and "= 16" in compare
+                jobs[f"{name}-{pushes}"] = {"job": compare}
+            # the same model by Hogwild (2 workers, 1 shared store): its steps write only the touched rows
+            hogwild = (job.replace('mode = "downpour"', 'mode = "hogwild"')
+                       .replace(str(tmp / name), str(tmp / f"{name}-hogwild")))
+            hogwild = hogwild[:hogwild.index("[downpour]")] + "[hogwild]\nn_workers = 2\n\n" + \
+                hogwild[hogwild.index("[stop]"):]
+            jobs[f"{name}-hogwild"] = {"job": hogwild}
     vocab_size = ConvertedDataset(reviews["wordpiece"]).manifest.vocab_size
     jobs["kim-cnn"] = {"job": PIPELINE_JOB.format(name="kim-cnn", out=tmp / "kim-cnn", dataset=reviews["wordpiece"],
                                                   vocab_size=vocab_size)}
@@ -132,6 +151,40 @@ def test_fasttext_trains_with_downpour_from_both_tokenizers(text_jobs: dict[str,
     for tokenizer in ("wordpiece", "hash"):
         doc = text_jobs[f"fasttext-{tokenizer}"]
         assert doc["mode"] == "downpour" and doc["final_accuracy"] >= 0.9, (tokenizer, doc["final_accuracy"])
+
+
+def test_fasttext_trains_with_hogwild_sparse_steps(text_jobs: dict[str, dict[str, Any]]) -> None:
+    """The example's model and data by 2 Hogwild workers whose steps of the embedding table touch only its rows that
+    the batch did (``[hogwild] sparse``, default auto; ``tests/test_sparse_push.py`` shows the steps equal the dense
+    ones): held to the Downpour job's bar, 0.9."""
+    doc = text_jobs["fasttext-wordpiece-hogwild"]
+    assert doc["mode"] == "hogwild" and doc["final_accuracy"] >= 0.9, doc["final_accuracy"]
+
+
+def test_sparse_pushes_train_as_dense_ones_with_20x_fewer_bytes_per_sample(
+        text_jobs: dict[str, dict[str, Any]]) -> None:
+    """The example's job, 2 epochs in batches of 16 (no target), with sparse pushes (its default) and with dense ones.
+
+    The shards apply the same updates either way (tests/test_sparse_push.py); what differs is the runs' timing
+    (two replicas, asynchronous), so accuracy is held to the same bar and within 0.02 of each other. Bytes: a
+    sparse push carries the rows the batch touched, as float32, and the Linear layer; a dense one all 8,192 rows.
+    A batch of 16 reviews touches about 280 rows: 20x is held, both between the two runs' bytes per sample and,
+    within the sparse run, between its pushes and what they would take densely. (At the example's 32 a batch
+    touches about 410 rows, 5% of the table: float32 rows cannot then be 20x smaller; bench_data measures it.)
+    """
+    sparse, dense = text_jobs["fasttext-wordpiece-sparse"], text_jobs["fasttext-wordpiece-dense"]
+    assert sparse["samples"] >= 9000 and dense["samples"] >= 9000
+    assert dense["final_accuracy"] >= 0.9 and sparse["final_accuracy"] >= 0.9
+    assert abs(sparse["final_accuracy"] - dense["final_accuracy"]) <= 0.02, (sparse["final_accuracy"],
+                                                                               dense["final_accuracy"])
+    # no row left out: every dense push is the whole model (its float32 values; the summary's total and the replicas'
+    # own count are taken at different moments of the run's end, so each is checked on its own)
+    model = model_spec(load_config(EXAMPLE, resolve=False)).build()
+    push = 4 * sum(p.numel() for p in model.parameters())
+    assert dense["bytes_pushed"] % push == 0 and dense["metrics"]["dense_bytes_pushed"] % push == 0, push
+    per_sample = {name: doc["bytes_pushed"] / doc["samples"] for name, doc in (("sparse", sparse), ("dense", dense))}
+    assert per_sample["dense"] >= 20 * per_sample["sparse"], per_sample
+    assert sparse["metrics"]["dense_bytes_pushed"] >= 20 * sparse["bytes_pushed"]
 
 
 def test_kim_cnn_cuts_at_every_layer_on_token_ids() -> None:

@@ -151,6 +151,14 @@ class ParamStore:
         ``"reject"`` policy the gradient is scanned first and a NaN/Inf raises
         NonFiniteGradientError, leaving the store untouched.
         """
+    def step_spans(self, segment: str, spans: NDArray[np.uint32], values: NDArray[np.float32], lr: float) -> int:
+        """One optimizer step whose gradient is ``values`` over ``spans`` and zero elsewhere; the new version.
+
+        ``spans``: ``[k, 2]`` uint32 ``(start, length)``, ascending, disjoint, inside the segment; ``values``: the
+        elements they cover, span after span. With SGD or Adagrad and no weight decay only the spans are read and
+        written (a zero gradient changes nothing there); otherwise the dense step over the scattered gradient.
+        Either way the parameters end as ``step`` leaves them. ValueError for spans that do not fit.
+        """
     def add(self, segment: str, delta: NDArray[np.float32], alpha: float = 1.0) -> int:
         """Hogwild ``w += alpha * delta``; return the new version."""
     def add_exact(self, segment: str, delta: NDArray[np.float32], alpha: float = 1.0) -> int:

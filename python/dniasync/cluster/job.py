@@ -106,7 +106,8 @@ class JobRunner(Actor):
         loaded = self.resume_from
         if loaded is not None:
             specs = await self.run_blocking(durable.resumed_specs, specs, loaded)
-        self.shards = ShardKeeper(specs, self.event, lost_after_s=PS_LOST_AFTER_S, samples=self.samples)
+        keeper = getattr(self.job, "shard_keeper", ShardKeeper)  # replicated shards come with a keeper of their own
+        self.shards: ShardKeeper = keeper(specs, self.event, lost_after_s=PS_LOST_AFTER_S, samples=self.samples)
         self._last_snapshot = time.monotonic()
         track_trainer(self.system, self)
         if loaded is not None:

@@ -79,10 +79,14 @@ class ParamsDelta:
 @message("dniasync.train.Push")
 @dataclass(frozen=True)
 class Push:
-    """An accumulated gradient for one PS shard, maybe quantized.
+    """An accumulated gradient for one PS shard, maybe quantized, maybe sparse.
 
     ``(replica, incarnation, seq)`` makes it idempotent; ``version`` is the
-    shard version the gradient was computed on (for staleness).
+    shard version the gradient was computed on (for staleness). With ``spans``
+    (a sparse push, :mod:`dniasync.train.sparse`: ``[k, 2]`` uint32
+    ``(start, length)`` in the shard's slice, ascending and disjoint) ``codec``
+    is ``"none"`` and ``payload`` holds the float32 values of the spans, one
+    after the other; the gradient is zero elsewhere.
     """
 
     replica: str
@@ -92,6 +96,7 @@ class Push:
     codec: str
     payload: np.ndarray
     samples: int
+    spans: np.ndarray | None = None
 
 
 @message("dniasync.train.Fence")

@@ -4,6 +4,8 @@ As in Downpour (Dean et al. 2012) each shard applies pushes on arrival with
 its own optimizer (Adagrad by default), in place in a Rust ``ParamStore``,
 and answers pulls with its parameters and their version. Quantized pushes
 are applied straight into the store, never expanded into a dense buffer.
+A sparse push (:mod:`~dniasync.train.sparse`: only an embedding table's
+touched rows) is stepped over its spans alone, with the dense push's result.
 
 With a codec, pulls are compressed too (:class:`~dniasync.train.messages.PullDelta`):
 the shard keeps, per replica, the parameters that replica holds and answers with
@@ -37,6 +39,7 @@ from .messages import (
     ShardStats,
     SnapshotShard,
 )
+from .sparse import span_array, span_values
 from .specs import OptimizerSpec, ShardSpec
 from .staleness import PushLedger, PushVerdict, StalenessPolicy
 from .telemetry import track_ps_shard
@@ -140,7 +143,7 @@ class PSShard(Actor):
 
     @handler
     def push(self, msg: Push) -> None:
-        self.bytes_in += int(msg.payload.nbytes)
+        self.bytes_in += int(msg.payload.nbytes) + (int(msg.spans.nbytes) if msg.spans is not None else 0)
         if msg.replica in self.fenced:
             self.rejected["zombie"] += 1
             return
@@ -163,7 +166,12 @@ class PSShard(Actor):
             return
         payload = np.ascontiguousarray(msg.payload, dtype=np.uint8).reshape(-1)
         try:
-            codec.apply(self.store, SEGMENT, CompressedTensor(msg.codec, (self.n,), payload), decision.lr)
+            if msg.spans is None:
+                codec.apply(self.store, SEGMENT, CompressedTensor(msg.codec, (self.n,), payload), decision.lr)
+            elif msg.codec != "none":
+                raise ValueError(f"a sparse push carries float32 values (codec 'none'), not {msg.codec!r}")
+            else:
+                self.store.step_spans(SEGMENT, span_array(msg.spans), span_values(payload), decision.lr)
         except _core.NonFiniteGradientError:
             self.rejected["nonfinite"] += 1
             return

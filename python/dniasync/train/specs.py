@@ -197,6 +197,9 @@ class PSLinkSpec:
     local_steps: int = 1
     inner: OptimizerSpec | None = None
     """The trainer's optimizer between exchanges (required with ``local_steps > 1``)."""
+    sparse: str = "never"
+    """How the model's embedding tables are pushed: ``auto``, ``always`` or ``never`` sparse
+    (:mod:`dniasync.train.sparse`; sparse only without a codec)."""
 
 
 @message("dniasync.train.LocalSpec")
@@ -208,9 +211,13 @@ class LocalSpec:
 @message("dniasync.train.SharedStoreSpec")
 @dataclass(frozen=True)
 class SharedStoreSpec:
-    """Hogwild: apply every step in place, without locks, to the job's shared-memory store ``name``."""
+    """Hogwild: apply every step in place, without locks, to the job's shared-memory store ``name``.
+
+    ``sparse``: how the model's embedding tables are stepped (``auto``, ``always``, ``never``: only their touched
+    rows, :mod:`dniasync.train.sparse`)."""
 
     name: str
+    sparse: str = "auto"
 
 
 @message("dniasync.train.P2PSpec")

@@ -456,6 +456,53 @@ impl ParamStore {
         self.step(seg, &mut Dense(grad), lr)
     }
 
+    /// One optimizer step whose gradient is `values` over `spans` and zero elsewhere: `spans`
+    /// holds `(start, length)` pairs, flattened, ascending, disjoint and inside the segment;
+    /// `values` the elements they cover, one span after the other (an embedding table's
+    /// touched rows). Where a zero gradient leaves an element and its state as they are (SGD,
+    /// Adagrad, no weight decay: `optim::sparse_ok`) only the spans are read and written, so
+    /// concurrent Hogwild steps to other rows are not overwritten; otherwise the step is the
+    /// dense one over the scattered gradient. Either way the result is the dense step's.
+    pub fn step_spans(&self, seg: usize, spans: &[u32], values: &[f32], lr: f32) -> Result<u64> {
+        let s = self.segment(seg)?;
+        let covered = check_spans(spans, s.len)?;
+        check_len("span values", covered, values.len())?;
+        let cfg = self.layout.config;
+        if !optim::sparse_ok(&cfg) {
+            let mut grad = vec![0.0f32; s.len];
+            let mut off = 0;
+            for pair in spans.chunks_exact(2) {
+                let (start, n) = (pair[0] as usize, pair[1] as usize);
+                grad[start..start + n].copy_from_slice(&values[off..off + n]);
+                off += n;
+            }
+            return self.step_dense(seg, &grad, lr);
+        }
+        if !(lr >= 0.0 && lr.is_finite()) {
+            return Err(invalid(format!("lr must be >= 0 and finite, got {lr}")));
+        }
+        let gscale = self.prescan(&Dense(values), cfg.clip_norm)?;
+        let t = self.counters(seg).steps.fetch_add(1, Ordering::AcqRel) + 1;
+        let hp = optim::Hyper::new(&cfg, lr, gscale, t);
+        let w = self.cells(seg, 0)?;
+        let acc = if cfg.optimizer.state_slots() > 0 {
+            Some(self.cells(seg, 1)?)
+        } else {
+            None
+        };
+        let mut off = 0;
+        for pair in spans.chunks_exact(2) {
+            let (start, n) = (pair[0] as usize, pair[1] as usize);
+            let g = &mut Dense(&values[off..off + n]);
+            match acc {
+                Some(acc) => optim::adagrad(&w[start..start + n], &acc[start..start + n], g, &hp),
+                None => optim::sgd(&w[start..start + n], g, &hp),
+            }
+            off += n;
+        }
+        Ok(self.bump(seg))
+    }
+
     /// Hogwild add `w += alpha * delta` (no optimizer); concurrent adds to the same
     /// element may lose one another. Returns the new version.
     pub fn add(&self, seg: usize, src: &mut dyn GradSource, alpha: f32) -> Result<u64> {
@@ -575,4 +622,28 @@ fn describe(layout: &Layout) -> String {
         .map(|s| format!("{}[{}]", s.name, s.len))
         .collect();
     format!("segments {} with {:?}", segs.join(", "), layout.config)
+}
+
+/// The number of elements `spans` covers: `(start, length)` pairs, flattened, each non-empty,
+/// ascending, disjoint and inside `len` elements; InvalidArgument otherwise.
+fn check_spans(spans: &[u32], len: usize) -> Result<usize> {
+    if !spans.len().is_multiple_of(2) {
+        return Err(invalid(format!(
+            "spans must be (start, length) pairs, got {} numbers",
+            spans.len()
+        )));
+    }
+    let (mut end, mut covered) = (0usize, 0usize);
+    for pair in spans.chunks_exact(2) {
+        let (start, n) = (pair[0] as usize, pair[1] as usize);
+        if n == 0 || start < end || start + n > len {
+            return Err(invalid(format!(
+                "spans must be non-empty, ascending, disjoint and within the segment's {len} \
+                 elements, got ({start}, {n}) after one ending at {end}"
+            )));
+        }
+        end = start + n;
+        covered += n;
+    }
+    Ok(covered)
 }

@@ -569,3 +569,96 @@ fn shared_store_create_attach_mismatch_and_stale() {
     owner.step_dense(1, &[2.0; 3], 1.0).unwrap();
     assert_eq!(read(&other, 1, 0), vec![-2.0; 3]);
 }
+
+/// Runs of `mask`, as flattened (start, length) pairs, and the values of `g` they cover.
+fn spans_and_values(mask: &[bool], g: &[f32]) -> (Vec<u32>, Vec<f32>) {
+    let (mut spans, mut values) = (Vec::new(), Vec::new());
+    let mut i = 0;
+    while i < mask.len() {
+        if mask[i] {
+            let start = i;
+            while i < mask.len() && mask[i] {
+                values.push(g[i]);
+                i += 1;
+            }
+            spans.extend([start as u32, (i - start) as u32]);
+        } else {
+            i += 1;
+        }
+    }
+    (spans, values)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// A step over spans leaves parameters and state where the dense step over the same gradient
+    /// (zero outside the spans) leaves them, for every optimizer; with SGD and Adagrad it never
+    /// writes outside the spans (a value put there meanwhile, as a concurrent Hogwild step would,
+    /// stays).
+    #[test]
+    fn a_step_over_spans_is_the_dense_step_of_the_scattered_gradient(
+        cfg in optimizers(),
+        init in vec_f32(1..2000),
+        grads in prop::collection::vec((vec_f32(2000..2001), prop::collection::vec(any::<bool>(), 2000)), 1..4),
+        lr in 0.001f32..0.5,
+        isa in prop::sample::select(available_isas()),
+    ) {
+        with_isa(isa, || {
+            let n = init.len();
+            let (dense, spanned) = (store(&[n], cfg), store(&[n], cfg));
+            dense.write(0, 0, &init).unwrap();
+            spanned.write(0, 0, &init).unwrap();
+            for (g, mask) in &grads {
+                let mask = &mask[..n];
+                let g: Vec<f32> = (0..n).map(|i| if mask[i] { g[i] } else { 0.0 }).collect();
+                let (spans, values) = spans_and_values(mask, &g);
+                dense.step_dense(0, &g, lr).unwrap();
+                spanned.step_spans(0, &spans, &values, lr).unwrap();
+            }
+            for slot in 0..=cfg.optimizer.state_slots() {
+                let (a, b) = (read(&dense, 0, slot), read(&spanned, 0, slot));
+                for i in 0..n {
+                    prop_assert!(close(a[i], b[i], 1e-6), "slot {} element {}: dense {} spans {}", slot, i, a[i], b[i]);
+                }
+            }
+            prop_assert_eq!(spanned.version(0).unwrap(), dense.version(0).unwrap());
+            let untouched: Vec<usize> = (0..n).filter(|&i| grads.iter().all(|(_, m)| !m[i])).collect();
+            let lazy = cfg.weight_decay == 0.0 && matches!(cfg.optimizer, Optimizer::Sgd | Optimizer::Adagrad { .. });
+            if lazy && !untouched.is_empty() {
+                let mut w = read(&spanned, 0, 0);
+                for &i in &untouched {
+                    w[i] = 1234.5;
+                }
+                spanned.write(0, 0, &w).unwrap();
+                let (g, mask) = &grads[0];
+                let g: Vec<f32> = (0..n).map(|i| if mask[i] { g[i] } else { 0.0 }).collect();
+                let (spans, values) = spans_and_values(&mask[..n], &g);
+                spanned.step_spans(0, &spans, &values, lr).unwrap();
+                let after = read(&spanned, 0, 0);
+                for &i in &untouched {
+                    prop_assert_eq!(after[i], 1234.5);
+                }
+            }
+            Ok(())
+        })?;
+    }
+}
+
+#[test]
+fn spans_that_do_not_fit_are_refused_and_change_nothing() {
+    let s = store(&[10], OptimizerConfig::new(Optimizer::Sgd));
+    let (before, version) = (read(&s, 0, 0), s.version(0).unwrap());
+    for (spans, values) in [
+        (vec![8u32, 4], vec![1.0f32; 4]), // past the end
+        (vec![2, 3, 4, 1], vec![1.0; 4]), // overlapping
+        (vec![5, 1, 2, 1], vec![1.0; 2]), // not ascending
+        (vec![2, 0], vec![]),             // empty
+        (vec![2, 3], vec![1.0; 2]),       // fewer values than elements
+        (vec![2], vec![1.0]),             // not pairs
+    ] {
+        assert!(s.step_spans(0, &spans, &values, 0.1).is_err(), "{spans:?}");
+    }
+    assert_eq!(read(&s, 0, 0), before);
+    assert_eq!(s.version(0).unwrap(), version);
+}

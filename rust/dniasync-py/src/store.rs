@@ -6,7 +6,7 @@ use dniasync_core::{
     ParamStore as CoreStore, SegmentSpec,
 };
 use numpy::ndarray::ArrayView1;
-use numpy::PyArray1;
+use numpy::{PyArray1, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -317,6 +317,30 @@ impl ParamStore {
         let grad = slice(&grad);
         self.update(py, segment, grad.len(), Update::Step(lr), || {
             Ok(Dense(grad))
+        })
+    }
+
+    /// One step with `values` over `spans` ((start, length) uint32 pairs, `[k, 2]`) and zero elsewhere.
+    fn step_spans(
+        &self,
+        py: Python<'_>,
+        segment: &str,
+        spans: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+        lr: f32,
+    ) -> PyResult<u64> {
+        let spans = readonly::<u32>(spans, "spans")?;
+        if spans.ndim() != 2 || spans.shape()[1] != 2 {
+            return Err(PyValueError::new_err(format!(
+                "spans must be a [k, 2] array of (start, length), got shape {:?}",
+                spans.shape()
+            )));
+        }
+        let values = readonly::<f32>(values, "values")?;
+        let (spans, values) = (slice(&spans), slice(&values));
+        let seg = self.seg(segment)?;
+        run(py, values.len(), || {
+            self.inner.step_spans(seg, spans, values, lr)
         })
     }
 

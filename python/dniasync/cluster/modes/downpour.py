@@ -29,9 +29,12 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from msgspec import Meta
 
 from ...actors import ActorError, ActorRef, Directive
+from ...train.chain import CopySpec
 from ...train.messages import Params, Pull, ShardStats
+from ...train.sparse import sparse_mode
 from ...train.specs import OptimizerSpec, PSLinkSpec, ReplicaSpec, ShardSpec
 from .._schema import ConfigError, KeyProblem, Section
+from ..chains import host_copy
 from ..mode_api import Hoster, Snapshot
 from ..panels import PS_PANELS, Panel
 from ..plan import codec_spec
@@ -75,12 +78,27 @@ class DownpourConfig(Section, frozen=True):
     staleness: Annotated[Literal["none", "inverse", "bound"], Meta(description=(
         "`inverse`: lr / staleness (Zhang et al. 2016); `bound`: drop pushes staler than max_staleness"))] = "none"
     max_staleness: Annotated[int, Meta(ge=0, description="required with `bound`")] | None = None
+    ps_replicas: Annotated[int, Meta(ge=1, description=(
+        "copies of each PS shard, each in a PS process of its own, chain-replicated: a push is acknowledged once "
+        "every live copy applied it, pulls read the chain's tail, and a copy's death loses no acknowledged push "
+        "(the chain closes around it; a restarted copy catches up from the tail). 1: one copy, restarted from "
+        "the last snapshot"))] = 1
+    sparse: Annotated[Literal["auto"] | bool, Meta(description=(
+        "push only the rows of an embedding table (`nn.Embedding`, `nn.EmbeddingBag` weights) whose gradient is "
+        "not zero, as row spans plus their float32 values, instead of the whole table: `auto` when fewer than half "
+        "a table's rows are touched since the last push, `true` always, `false` never. Without a codec only "
+        "(`auto` with a codec pushes densely through it; `true` with one is an error). The shards step the "
+        "scattered gradient as a dense one, so the updates are the dense pushes' for every optimizer; only the "
+        "bytes pushed change"))] = "auto"
 
     def __post_init__(self) -> None:
         if self.codec == "threshold" and self.tau is None:
             raise KeyProblem("tau", "missing required key '{key}'")
         if self.staleness == "bound" and self.max_staleness is None:
             raise KeyProblem("max_staleness", "missing required key '{key}'")
+        if self.sparse is True and self.codec != "none":
+            raise KeyProblem("sparse", f"'{{key}}' = true pushes float32 rows: it takes codec 'none', not "
+                                       f"{self.codec!r} (or set it to 'auto' or false)")
         if self.codec == "onebit" and self.block % 8:
             raise KeyProblem("block", f"'{{key}}' must be a multiple of 8 for the onebit codec, got {self.block}")
 
@@ -140,7 +158,8 @@ class _DownpourJob(DataParallelJob):
         ps = [ref for ref in self.runner.ps if ref is not None]
         local_steps = self.config.sync.local_steps
         return PSLinkSpec(ps, [offset for offset, _ in self.ranges], self.settings.n_fetch, self.settings.n_push,
-                          self.codec, local_steps, self.optimizer_spec if local_steps > 1 else None)
+                          self.codec, local_steps, self.optimizer_spec if local_steps > 1 else None,
+                          sparse_mode(self.settings.sparse))
 
     async def snapshot(self) -> Snapshot:
         replies = await asyncio.gather(*(ps.ask(Pull(), timeout=10.0) for ps in self.runner.ps if ps is not None))
@@ -187,7 +206,7 @@ class _Downpour(DataParallelMode):
                               "to split into contiguous shards", "downpour.n_ps_shards")
 
     def processes(self, config: Config) -> tuple[int, int]:
-        return config.settings.n_ps_shards, config.settings.n_replicas
+        return config.settings.n_ps_shards * config.settings.ps_replicas, config.settings.n_replicas
 
     def summary_lines(self, config: Config, doc: Mapping[str, Any]) -> list[str]:
         lines = [f"  bytes pushed       {doc.get('bytes_pushed', 0):,} (codec {config.settings.codec})",
@@ -203,10 +222,14 @@ class _Downpour(DataParallelMode):
         return PS_PANELS
 
     def job(self, config: Config, runner: Runner) -> _DownpourJob:
+        if config.settings.ps_replicas > 1:
+            from ._replicated import ReplicatedDownpourJob
+
+            return ReplicatedDownpourJob(config, runner)
         return _DownpourJob(config, runner)
 
     def hosters(self) -> dict[type, Hoster]:
-        return {ShardSpec: host_shard, ReplicaSpec: host_replica}
+        return {ShardSpec: host_shard, ReplicaSpec: host_replica, CopySpec: host_copy}
 
 
 DOWNPOUR = _Downpour()

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from msgspec import Meta
 
+from ...train.sparse import sparse_mode
 from ...train.specs import ReplicaSpec, SharedStoreSpec
 from .._schema import Section
 from ..mode_api import Hoster, Snapshot
@@ -34,6 +35,12 @@ class HogwildConfig(Section, frozen=True):
     """Lock-free workers over one shared store (mode `hogwild`)."""
 
     n_workers: Annotated[int, Meta(ge=1, description="processes sharing one ParamStore; at most data.n_train")] = 1
+    sparse: Annotated[Literal["auto"] | bool, Meta(description=(
+        "step only the rows of an embedding table (`nn.Embedding`, `nn.EmbeddingBag` weights) that the gradient "
+        "touched, so a worker never writes back rows another one is updating (the case Hogwild was designed "
+        "for): `auto` when fewer than half a table's rows are touched, `true` always, `false` never. The "
+        "parameters end where the dense step leaves them; with momentum, Nesterov, Adam or weight decay, which "
+        "move untouched rows too, the store steps densely"))] = "auto"
 
 
 class _HogwildJob(DataParallelJob):
@@ -51,7 +58,7 @@ class _HogwildJob(DataParallelJob):
         self.segment = HOGWILD_SEGMENT
 
     def sync_spec(self) -> SharedStoreSpec:
-        return SharedStoreSpec(self.shm_name)
+        return SharedStoreSpec(self.shm_name, sparse_mode(self.config.settings.sparse))
 
     async def snapshot(self) -> Snapshot:
         return Snapshot(self.store.view(self.segment).copy())

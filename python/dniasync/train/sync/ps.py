@@ -13,6 +13,9 @@ that fails a pull or a push is retried with exponential backoff (0.05 s
 doubling to 2 s), so a dead shard costs a few attempts per second, until it
 answers a pull (a tell to a node that is down may vanish without an error);
 its warnings are collapsed into one log line per interval with a count.
+With ``sparse`` other than ``"never"`` (and no codec) the embedding tables'
+untouched rows stay home: each shard gets the spans of its slice that are not
+zero (:mod:`dniasync.train.sparse`).
 
 :class:`PSSync` is the weight sync over such a link, the same for Downpour
 replicas and replicated pipeline stages: the trainer's parameters are views
@@ -47,6 +50,7 @@ from ...actors import ActorError, ActorRef, Backoff
 from ..compression import CodecName, DeltaCodec, make_codec, values_digest
 from ..flat import FlatModel, flatten_parameters, split_ranges
 from ..messages import Params, ParamsDelta, Pull, PullDelta, Push
+from ..sparse import SPARSE_MODES, EmbeddingTable, embedding_tables, spans_of, touched
 from ..specs import CodecSpec, OptimizerSpec, PSLinkSpec
 from .base import Clock, SyncContext, SyncKind, SyncStats, register
 from .local import LocalOptimizer
@@ -103,9 +107,13 @@ class ShardLink:
     ``ranges[i] = (offset, length)`` is the slice of ``buffer`` shard
     ``shards[i]`` holds. Counters: ``pulls`` (one per shard answered; of
     them ``dense_pulls`` and ``delta_pulls``), ``pushes`` (one per
-    :meth:`push`), ``bytes_pulled``, ``bytes_pushed`` (payloads) and
-    ``dense_bytes_pulled``, ``dense_bytes_pushed`` (what they would take as float32).
+    :meth:`push`), ``bytes_pulled``, ``bytes_pushed`` (payloads, and a sparse push's spans) and
+    ``dense_bytes_pulled``, ``dense_bytes_pushed`` (what they would take as float32); ``sparse_pushes``
+    (messages to a shard that were sparse).
     With ``codec`` other than ``"none"`` pulls ask for deltas (decoded with the threshold each answer carries).
+    ``tables`` (embedding weights in the vector) and ``sparse`` (one of
+    :data:`~dniasync.train.sparse.SPARSE_MODES`) make pushes sparse where they can be; only without a codec
+    (``threshold`` sends indices already; ``onebit``'s carried error is per element of the whole slice).
     """
 
     def __init__(
@@ -121,6 +129,8 @@ class ShardLink:
         block: int = 256,
         ask_timeout_s: float = 10.0,
         clock: Clock = time.monotonic,
+        tables: Sequence[EmbeddingTable] = (),
+        sparse: str = "never",
     ) -> None:
         if len(ranges) != len(shards):
             raise ValueError(f"{len(shards)} PS shards for {len(ranges)} parameter ranges")
@@ -130,6 +140,10 @@ class ShardLink:
         self.replica = replica
         self.incarnation = incarnation
         self.ask_timeout_s = ask_timeout_s
+        self.tables = list(tables)
+        self.sparse = sparse if codec == "none" and self.tables else "never"
+        if sparse not in SPARSE_MODES:
+            raise ValueError(f"unknown sparse push mode {sparse!r}; expected one of {', '.join(SPARSE_MODES)}")
         self.codecs = [make_codec(codec, length, tau=tau, block=block) for _, length in self.ranges]
         self.deltas = ([DeltaCodec(codec, length, block=block) for _, length in self.ranges]
                        if codec != "none" else None)
@@ -145,6 +159,7 @@ class ShardLink:
         self.bytes_pushed = 0
         self.bytes_pulled = 0
         self.dense_bytes_pushed = 0
+        self.sparse_pushes = 0
         self._backoff = [Backoff(clock=clock) for _ in self.shards]
         self._warnings = CollapsedWarnings(log, clock=clock)
 
@@ -207,12 +222,22 @@ class ShardLink:
     async def push(self, grad: np.ndarray, samples: int) -> None:
         """Push ``grad`` (the whole flat vector) to every shard; a shard backing off misses this one."""
         self.seq += 1
+        keep = touched(grad, self.tables, self.sparse) if self.sparse != "never" else None
         for i, (offset, length) in enumerate(self.ranges):
             if not self._backoff[i].ready():
                 continue
-            compressed = self.codecs[i].compress(grad[offset:offset + length])
-            push = Push(self.replica, self.incarnation, self.seq, self.versions[i], compressed.codec,
-                        compressed.payload, samples)
+            mine = keep[offset:offset + length] if keep is not None else None
+            if mine is None or mine.all():
+                compressed = self.codecs[i].compress(grad[offset:offset + length])
+                push = Push(self.replica, self.incarnation, self.seq, self.versions[i], compressed.codec,
+                            compressed.payload, samples)
+                nbytes = compressed.nbytes
+            else:
+                spans = spans_of(mine)
+                values = grad[offset:offset + length][mine].view(np.uint8)
+                push = Push(self.replica, self.incarnation, self.seq, self.versions[i], "none", values, samples,
+                            spans)
+                nbytes = int(values.nbytes + spans.nbytes)
             try:
                 await self.shards[i].tell(push)
             except ActorError as exc:
@@ -220,13 +245,15 @@ class ShardLink:
                 continue
             # no reset of the backoff here: a tell to a node that is down may be dropped without an error,
             # so only an answered pull proves the shard is back
-            self.bytes_pushed += compressed.nbytes
+            self.bytes_pushed += nbytes
+            if push.spans is not None:
+                self.sparse_pushes += 1
             self.dense_bytes_pushed += 4 * length
         self.pushes += 1
 
 
 _COUNTERS = ("bytes_pushed", "bytes_pulled", "dense_bytes_pushed", "dense_bytes_pulled", "pushes", "pulls",
-             "dense_pulls", "delta_pulls")
+             "dense_pulls", "delta_pulls", "sparse_pushes")
 
 
 class PSSync:
@@ -245,7 +272,8 @@ class PSSync:
     the vector cut evenly).
 
     ``local_steps > 1`` with an ``inner`` optimizer: local steps, as the module
-    says (``n_fetch`` and ``n_push`` must then be 1).
+    says (``n_fetch`` and ``n_push`` must then be 1). ``sparse``: how the
+    model's embedding tables are pushed (:class:`ShardLink`).
     """
 
     pulls_params = True
@@ -265,6 +293,7 @@ class PSSync:
         inner: OptimizerSpec | None = None,
         ask_timeout_s: float = 10.0,
         clock: Clock = time.monotonic,
+        sparse: str = "never",
     ) -> None:
         if n_fetch < 1 or n_push < 1:
             raise ValueError(f"n_fetch and n_push must be >= 1, got {n_fetch} and {n_push}")
@@ -278,9 +307,14 @@ class PSSync:
         else:
             bounds = [*offsets, self.flat.n]
             ranges = [(bounds[i], bounds[i + 1] - bounds[i]) for i in range(len(offsets))]
+        if len(shards) > len(ranges):  # replicated shards: each one's copies, shard-major, reached as one chain
+            from .chain import chain_refs
+
+            shards = chain_refs(shards, len(ranges), replica=name, clock=clock)
         self.link = ShardLink(buffer, ranges, shards, replica=name, incarnation=incarnation,
                               codec=codec.name, tau=codec.tau, block=codec.block,  # type: ignore[arg-type]
-                              ask_timeout_s=ask_timeout_s, clock=clock)
+                              ask_timeout_s=ask_timeout_s, clock=clock, tables=embedding_tables(model),
+                              sparse=sparse)
         self.n_fetch = n_fetch
         self.n_push = n_push
         self.inner: LocalOptimizer | None = None
@@ -291,6 +325,7 @@ class PSSync:
             self.inner = LocalOptimizer.for_spec(model.parameters(), inner)
             self.local = LocalSteps(buffer, local_steps)
         self._name, self._codec, self._ask_timeout_s, self._clock = name, codec, ask_timeout_s, clock
+        self._sparse = sparse
         self.steps = 0
         self._params = list(model.parameters())
         self._pending = 0
@@ -388,7 +423,7 @@ class PSSync:
             raise NotImplementedError("local steps are for data-parallel replicas: their layers never move")
         fresh = PSSync(layers, self.link.shards, name=self._name, n_fetch=self.n_fetch, n_push=self.n_push,
                        incarnation=max(self.link.incarnation + 1, time.time_ns() // 1000), codec=self._codec,
-                       ask_timeout_s=self._ask_timeout_s, clock=self._clock)
+                       ask_timeout_s=self._ask_timeout_s, clock=self._clock, sparse=self._sparse)
         fresh.steps = fresh._steps_synced = self.steps
         for counter in _COUNTERS:
             setattr(fresh.link, counter, getattr(self.link, counter))
@@ -409,7 +444,7 @@ class PSSync:
             link.bytes_pushed, link.bytes_pulled, link.dense_bytes_pushed, link.pushes, link.pulls,
             list(link.versions),
             {"dense_bytes_pulled": link.dense_bytes_pulled, "dense_pulls": link.dense_pulls,
-             "delta_pulls": link.delta_pulls},
+             "delta_pulls": link.delta_pulls, "sparse_pushes": link.sparse_pushes},
         )
 
     async def close(self) -> None:
@@ -419,7 +454,7 @@ class PSSync:
 def _build(spec: PSLinkSpec, model: nn.Module, ctx: SyncContext) -> PSSync:
     return PSSync(model, spec.ps, name=ctx.name, incarnation=ctx.incarnation, offsets=spec.offsets,
                   n_fetch=spec.n_fetch, n_push=spec.n_push, codec=spec.codec, local_steps=spec.local_steps,
-                  inner=spec.inner, ask_timeout_s=ctx.ask_timeout_s, clock=ctx.clock)
+                  inner=spec.inner, ask_timeout_s=ctx.ask_timeout_s, clock=ctx.clock, sparse=spec.sparse)
 
 
 register(SyncKind("ps", PSLinkSpec, _build, needs_ps=True, owns_optimizer=False,

@@ -5,6 +5,9 @@ with the optimizer's state) and names it in a
 :class:`~dniasync.train.specs.SharedStoreSpec`; each worker attaches to it,
 its model's parameters become views of the store, and each step's gradient is
 applied by the store's Rust optimizer (Niu et al. 2011). Nothing travels.
+An embedding table's step touches only the rows the gradient did (``sparse``,
+:mod:`dniasync.train.sparse`): the sparse updates Hogwild was designed for,
+where a dense step would write every row back, over other workers' updates.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 from torch import nn
 
 from ..flat import FlatModel
+from ..sparse import embedding_tables, spans_of, touched
 from ..specs import OptimizerSpec, SharedStoreSpec
 from .base import SyncContext, SyncKind, SyncStats, register
 
@@ -24,18 +28,24 @@ HOGWILD_STEPS_PER_CALL = 8
 
 
 class SharedStoreSync:
-    """Applies each step's gradient to the shared store ``name`` in place (its optimizer, ``optimizer.lr``)."""
+    """Applies each step's gradient to the shared store ``name`` in place (its optimizer, ``optimizer.lr``);
+    embedding tables only at the rows a step touched, as ``sparse`` says (:data:`~dniasync.train.sparse.SPARSE_MODES`).
+    ``sparse_steps`` counts the steps that went over spans."""
 
     optimizer: torch.optim.Optimizer | None = None
     pulls_params = False
 
-    def __init__(self, model: nn.Module, name: str, optimizer: OptimizerSpec) -> None:
+    def __init__(self, model: nn.Module, name: str, optimizer: OptimizerSpec, sparse: str = "auto") -> None:
         n = sum(p.numel() for p in model.parameters())
         self.store = optimizer.attach(name, [(HOGWILD_SEGMENT, n)])
         self.flat = FlatModel(model, self.store.view(HOGWILD_SEGMENT))
         self.lr = optimizer.lr
         self.scale = 1.0
         self._params = list(model.parameters())
+        self.tables = embedding_tables(model) if sparse != "never" else []
+        self.sparse = sparse
+        self.steps = 0
+        self.sparse_steps = 0
 
     def zero_grad(self) -> None:
         for p in self._params:
@@ -43,7 +53,14 @@ class SharedStoreSync:
 
     def step(self) -> None:
         self.flat.accumulate_grad()
-        self.store.step(HOGWILD_SEGMENT, self.flat.grad.numpy(), self.lr * self.scale)
+        grad = self.flat.grad.numpy()
+        keep = touched(grad, self.tables, self.sparse) if self.tables else None
+        if keep is None:
+            self.store.step(HOGWILD_SEGMENT, grad, self.lr * self.scale)
+        else:
+            self.store.step_spans(HOGWILD_SEGMENT, spans_of(keep), grad[keep], self.lr * self.scale)
+            self.sparse_steps += 1
+        self.steps += 1
         self.flat.grad.zero_()
 
     def steps_per_call(self, steps: int) -> int:
@@ -75,14 +92,14 @@ class SharedStoreSync:
         return
 
     def stats(self) -> SyncStats:
-        return SyncStats()
+        return SyncStats(extra={"sparse_steps": float(self.sparse_steps)})
 
     async def close(self) -> None:
         return
 
 
 def _build(spec: SharedStoreSpec, model: nn.Module, ctx: SyncContext) -> SharedStoreSync:
-    return SharedStoreSync(model, spec.name, ctx.optimizer)
+    return SharedStoreSync(model, spec.name, ctx.optimizer, spec.sparse)
 
 
 register(SyncKind("shm", SharedStoreSpec, _build, needs_ps=False, owns_optimizer=False,

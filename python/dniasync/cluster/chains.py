@@ -1,0 +1,222 @@
+"""Replicated PS shards as the job runner keeps them: each shard's copies, its chain, and the chain's changes.
+
+With ``[downpour] ps_replicas = R > 1`` each PS shard has R copies, each
+in a PS process of its own (:class:`~dniasync.train.ps_chain.ChainShard`),
+linked into a chain (:mod:`dniasync.train.chain`): replicas push at the head,
+which applies and forwards, and the tail acknowledges, so an acknowledged
+push is on every live copy. The :class:`ChainKeeper` places the copies (the
+first PS processes to join get copy 0 of every shard, the next copy 1, ...),
+names each chain once every copy is up (view 1: copies in their order), and
+on every tick cuts out a copy whose node the transport declared down (its
+connection dropped, or nothing, not even a heartbeat, came from it for the
+detection interval): a new view without it goes to the copies left, and the
+replicas learn it from them when their next push or pull fails. A copy that
+joins again with a new incarnation (the launcher restarted its process) is
+added at the tail, and its predecessor sends it its whole state before
+forwarding it a push (state transfer while pushes continue). A shard whose
+every copy stayed down for ``lost_after_s`` ends the job; if one comes back
+first it restarts from the last snapshot, as a shard without copies does.
+
+The runner's ``ps`` refs are each chain's head (fences and evaluations go
+there); :attr:`ChainKeeper.copies` is every copy, which replicas are given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from ..actors import ActorError, ActorRef, Directive
+from ..train.chain import ChainView, CopySpec
+from ..train.specs import ShardSpec
+from .mode_api import JobFailed
+from .protocol import Assignment, JoinJob, NoJob
+from .shards import EVENT_PS_LOST, ShardKeeper
+
+if TYPE_CHECKING:
+    from .hosts import Host
+
+__all__ = ["EVENT_PS_CHAIN", "EVENT_PS_COPY_DOWN", "EVENT_PS_COPY_JOINED", "ChainKeeper", "host_copy"]
+
+log = logging.getLogger("dniasync.cluster.chains")
+
+EVENT_PS_COPY_DOWN: Final = "ps_copy_down"
+EVENT_PS_COPY_JOINED: Final = "ps_copy_joined"
+EVENT_PS_CHAIN: Final = "ps_chain"
+VIEW_TIMEOUT_S: Final = 70.0
+"""How long a copy may take to install a view (the old tail sends a joining copy its state meanwhile)."""
+
+
+@dataclass
+class _Copy:
+    member: str
+    incarnation: int
+    ref: ActorRef | None = None
+    """The copy's actor (after a restart, the former one's until the new one is up)."""
+    up: bool = False
+    joining: bool = False
+    """Restarted: it joins at the tail once it is up."""
+
+
+class ChainKeeper(ShardKeeper):
+    """Where each copy of each PS shard lives, and each shard's chain."""
+
+    def __init__(self, specs: list[ShardSpec], event: Callable[..., None], *, lost_after_s: float,
+                 samples: Callable[[], int] = lambda: 0, copies: int = 2) -> None:
+        super().__init__(specs, event, lost_after_s=lost_after_s, samples=samples)
+        self.n_copies = copies
+        self.table: list[list[_Copy | None]] = [[None] * copies for _ in specs]
+        self.views: list[ChainView | None] = [None] * len(specs)
+        self.changes = 0
+        """Views installed after the first ones."""
+        self._where: dict[str, tuple[int, int]] = {}
+        self._named = False
+        self._naming = False
+        self._all_down: dict[int, float] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._locks = [asyncio.Lock() for _ in specs]
+
+    @property
+    def placed(self) -> bool:
+        return self._named
+
+    @property
+    def copies(self) -> list[list[ActorRef | None]]:
+        """Each shard's copies by copy number (None: never up yet)."""
+        return [[c.ref if c is not None else None for c in row] for row in self.table]
+
+    # -- placement --------------------------------------------------------------------
+    def place(self, join: JoinJob) -> Assignment | NoJob:
+        where = self._where.get(join.member)
+        if where is None:
+            free = [(k, j) for j in range(self.n_copies) for k in range(len(self.specs)) if self.table[k][j] is None]
+            if not free:
+                return NoJob("every copy of every PS shard is hosted", retry=False)
+            k, j = free[0]
+            self.table[k][j] = _Copy(join.member, join.incarnation)
+            self._where[join.member] = (k, j)
+            log.info("PS shard %d copy %d (%d parameters) goes to %s", k, j, self.specs[k].values.size, join.member)
+            return Assignment(CopySpec(self.specs[k], j))
+        k, j = where
+        copy = self.table[k][j]
+        assert copy is not None
+        if join.incarnation == copy.incarnation:
+            return Assignment(CopySpec(self.specs[k], j, copy.joining))  # a retried join: the same answer
+        address = copy.ref.address if copy.ref is not None else ""
+        copy.incarnation, copy.up = join.incarnation, False
+        view = self.views[k]
+        if view is not None and any(ref.address == address for ref in view.chain):  # back before it was missed
+            self._copy_down(k, address)
+            others = [ref for ref in view.chain if ref.address != address]
+            if others:
+                self._install(k, others, joining=[])
+            view = self.views[k]
+        if view is not None and view.chain:  # live copies: it catches up from the tail
+            copy.joining = True
+            log.info("PS shard %d copy %d restarts on %s: it joins the chain at the tail", k, j, join.member)
+            return Assignment(CopySpec(self.specs[k], j, True))
+        copy.joining = False  # no copy left: it starts from the last snapshot, alone
+        return Assignment(CopySpec(self._restart(k, join.member), j))
+
+    def ready(self, member: str, refs: list[ActorRef]) -> bool:
+        where = self._where.get(member)
+        if where is None:
+            return False
+        k, j = where
+        copy = self.table[k][j]
+        assert copy is not None
+        if copy.up:
+            return True  # a repeated Ready
+        copy.ref, copy.up = refs[0], True
+        if not self._named:
+            if not self._naming and all(c is not None and c.up for row in self.table for c in row):
+                self._naming = True
+                self._spawn(self._name_chains())
+            return True
+        view = self.views[k]
+        if copy.joining and view is not None and view.chain:
+            others = [ref for ref in view.chain if ref.address != copy.ref.address]
+            self._install(k, [*others, copy.ref], joining=[copy.ref.address])
+            self._event(EVENT_PS_COPY_JOINED, shard=k, copy=j, address=copy.ref.address)
+        else:  # restarted from a snapshot, alone
+            self._install(k, [copy.ref], joining=[])
+        copy.joining = False
+        return True
+
+    async def _name_chains(self) -> None:
+        for k, row in enumerate(self.table):
+            chain = [c.ref for c in row if c is not None and c.ref is not None]
+            await self._deliver(self._set_view(k, chain, []))
+        self._named = True
+        log.info("all %d PS shards ready, %d copies each", len(self.specs), self.n_copies)
+
+    # -- views ------------------------------------------------------------------------
+    def _set_view(self, k: int, chain: list[ActorRef], joining: list[str]) -> ChainView:
+        old = self.views[k]
+        view = ChainView(k, (old.number if old is not None else 0) + 1, chain, joining)
+        self.views[k] = view
+        self.refs[k] = chain[0] if chain else None
+        return view
+
+    def _install(self, k: int, chain: list[ActorRef], joining: list[str]) -> None:
+        view = self._set_view(k, chain, joining)
+        self.changes += 1
+        self._event(EVENT_PS_CHAIN, shard=k, view=view.number, chain=",".join(ref.address for ref in chain))
+        log.warning("PS shard %d: chain view %d is %s", k, view.number, " -> ".join(ref.address for ref in chain))
+        self._spawn(self._deliver(view))
+
+    async def _deliver(self, view: ChainView) -> None:
+        """Every copy of ``view`` learns it; a joining one first (it refuses pushes until its state arrives)."""
+        async def tell(ref: ActorRef) -> None:
+            try:
+                await ref.ask(view, timeout=VIEW_TIMEOUT_S)
+            except ActorError as exc:
+                log.warning("PS shard %d: view %d did not reach %s: %r", view.shard, view.number, ref.address, exc)
+
+        async with self._locks[view.shard]:
+            joining = [ref for ref in view.chain if ref.address in view.joining]
+            for ref in joining:
+                await tell(ref)
+            await asyncio.gather(*(tell(ref) for ref in view.chain if ref.address not in view.joining))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- liveness ---------------------------------------------------------------------
+    def _copy_down(self, k: int, address: str) -> None:
+        self._event(EVENT_PS_COPY_DOWN, shard=k, address=address,
+                    samples_since_snapshot=self._samples() - self._snapshot_samples.get(k, 0))
+        log.warning("PS shard %d: the copy at %s is down; the chain closes around it", k, address)
+
+    def check(self, now: float) -> None:
+        for k, view in enumerate(self.views):
+            if view is None:
+                continue
+            live = [ref for ref in view.chain if ref.is_alive]
+            if len(live) < len(view.chain):
+                for ref in view.chain:
+                    if not ref.is_alive:
+                        self._copy_down(k, ref.address)
+                if live:
+                    self._install(k, live, joining=[])
+                else:
+                    self._set_view(k, [], [])  # no copy left: it comes back from the last snapshot
+            if not live:
+                since = self._all_down.setdefault(k, now)
+                if now - since >= self._lost_after_s:
+                    raise JobFailed(f"every copy of PS shard {k} is down (for {now - since:.0f} s)", EVENT_PS_LOST,
+                                    shard=k)
+            else:
+                self._all_down.pop(k, None)
+
+
+async def host_copy(host: Host, spec: CopySpec) -> list[ActorRef]:
+    """On a PS node: copy ``spec.copy`` of a replicated shard, a child of ``host``."""
+    from ..train.ps_chain import ChainShard
+
+    return [await host.spawn(ChainShard, spec, name=f"ps-{spec.shard.shard}", supervision=Directive.STOP)]

@@ -1,0 +1,215 @@
+"""Replicated PS shards (``[downpour] ps_replicas``): chain replication loses no acknowledged push.
+
+In one process first (exact counts: the copies are actors, a copy's death is
+its actor stopping, the views are sent by hand), then a real job through the
+launcher whose head copy is killed with SIGKILL mid-run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dniasync import ActorSystem
+from dniasync.actors import ActorRef
+from dniasync.train.chain import ChainView, CopySpec
+from dniasync.train.messages import Params, Pull, Push, ShardStats
+from dniasync.train.ps_chain import CatchingUp, ChainShard
+from dniasync.train.specs import OptimizerSpec, ShardSpec
+from dniasync.train.sync.chain import ChainRoute
+
+N = 8
+
+
+def push(seq: int, grad: float, *, replica: str = "r0") -> Push:
+    values = np.linspace(grad, 2 * grad, N, dtype=np.float32)
+    return Push(replica, 1, seq, 0, "none", values.view(np.uint8), 32)
+
+
+async def spawn_copy(system: ActorSystem, copy: int, *, joining: bool = False) -> ActorRef:
+    spec = ShardSpec(0, 0, np.zeros(N, np.float32), OptimizerSpec("adagrad", 0.1))
+    return await system.spawn(ChainShard, CopySpec(spec, copy, joining), name=f"ps-0-{copy}")
+
+
+async def view(number: int, chain: list[ActorRef], joining: list[ActorRef] | None = None) -> None:
+    """Install a view the way the job runner does: joining copies first."""
+    joining = joining or []
+    msg = ChainView(0, number, chain, [ref.address for ref in joining])
+    for ref in [*joining, *(r for r in chain if r not in joining)]:
+        assert await ref.ask(msg)
+
+
+async def stats(ref: ActorRef) -> dict[str, Any]:
+    reply: dict[str, Any] = await ref.ask(ShardStats())
+    return reply
+
+
+async def params(ref: ActorRef) -> Params:
+    reply: Params = await ref.ask(Pull())
+    return reply
+
+
+async def test_every_copy_applies_the_acknowledged_pushes_in_one_order_and_a_dead_copy_loses_none() -> None:
+    async with ActorSystem() as system:
+        a, b, c = [await spawn_copy(system, j) for j in range(3)]
+        await view(1, [a, b, c])
+        routes = [ChainRoute(0, [a, b, c], replica=name) for name in ("r0", "r1")]
+
+        async def train(route: ChainRoute, first: int, n: int) -> None:
+            for seq in range(first, first + n):
+                await route.push(push(seq, 0.01 * seq, replica=route.replica))
+
+        # two replicas at once, Adagrad (the order matters): the same parameters on every copy, bit for bit
+        await asyncio.gather(*(train(route, 1, 10) for route in routes))
+        assert [(await stats(ref))["applied"] for ref in (a, b, c)] == [20, 20, 20]
+        first = [await params(ref) for ref in (a, b, c)]
+        assert len({p.version for p in first}) == 1
+        for p in first[1:]:
+            np.testing.assert_array_equal(p.values, first[0].values)
+
+        # the middle copy dies: the push in flight is not acknowledged until the chain closes around it
+        await system.stop(b)
+        pending = asyncio.ensure_future(train(routes[0], 11, 1))
+        while (await stats(a))["applied"] < 21:  # the head applied it; the copy after it is gone
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert not pending.done()
+        await view(2, [a, c])
+        await pending
+        assert routes[0].sent_again == 1
+        await asyncio.gather(train(routes[0], 12, 5), train(routes[1], 11, 5))
+        assert sum(route.acknowledged for route in routes) == 31
+        assert [(await stats(ref))["applied"] for ref in (a, c)] == [31, 31]  # each applied once
+        assert (await stats(a))["rejected"]["duplicate"] == 0  # the push sent again was answered, not applied
+
+        # a restarted copy joins at the tail: the old tail sends it its state, then pushes go on
+        d = await spawn_copy(system, 3, joining=True)
+        with pytest.raises(CatchingUp):
+            await params(d)
+        await view(3, [a, c, d], joining=[d])
+        await asyncio.gather(train(routes[0], 17, 4), train(routes[1], 16, 4))
+        assert (await stats(d))["applied"] == 8 and (await stats(c))["transfers"] == 1
+        last = [await params(ref) for ref in (a, c, d)]
+        assert len({p.version for p in last}) == 1 and last[0].version == first[0].version + 19
+        for p in last[1:]:
+            np.testing.assert_array_equal(p.values, last[0].values)
+        assert all(route.regressions == 0 for route in routes)
+        assert [(await stats(ref))["divergent"] for ref in (a, c, d)] == [0, 0, 0]
+
+
+async def test_a_route_follows_the_newest_view_the_copies_hold() -> None:
+    async with ActorSystem() as system:
+        a, b = [await spawn_copy(system, j) for j in range(2)]
+        await view(1, [a, b])
+        route = ChainRoute(0, [a, b], replica="r0")
+        await route.push(push(1, 0.5))
+        await system.stop(a)  # the head dies; the runner names b alone
+        await view(2, [b])
+        await route.push(push(2, 0.5))
+        await route.pull(Pull(), timeout=5.0)
+        assert route.view.number == 2 and route.acknowledged == 2 and route.regressions == 0
+        assert (await stats(b))["applied"] == 2
+
+
+# -- a real job ---------------------------------------------------------------------------------------------
+JOB = """
+[job]
+name = "{name}"
+mode = "downpour"
+seed = 0
+output_dir = "{out}"
+
+[model]
+factory = "dniasync.train.models:mlp"
+
+[model.kwargs]
+sizes = [784, 64, 10]
+
+[data]
+dataset = "mnist5k"
+n_train = 4000
+n_test = 1000
+batch_size = 32
+
+[optimizer]
+name = "adagrad"
+lr = 0.05
+
+[downpour]
+n_replicas = 2
+n_ps_shards = 1
+ps_replicas = 2
+
+[stop]
+max_epochs = {epochs}
+max_seconds = 240
+
+[eval]
+every_seconds = 1.0
+"""
+
+TARGET = 0.85
+"""Held-out accuracy the job reaches on mnist5k (plain Downpour: ~0.9 after 3 epochs at this lr)."""
+
+
+def _wait_training(out: Path, timeout: float = 120) -> str:
+    """The coordinator's log once it has evaluated trained weights."""
+    log = out / "logs" / "coordinator0.log"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists():
+            text = log.read_text()
+            if any("eval:" in line and " 0 samples" not in line for line in text.splitlines()):
+                return text
+        time.sleep(0.1)
+    raise AssertionError("the job never trained")
+
+
+def test_a_killed_head_copy_loses_no_acknowledged_push_and_the_job_reaches_its_target(tmp_path: Path) -> None:
+    out = tmp_path / "chain"
+    config = tmp_path / "chain.toml"
+    config.write_text(JOB.format(name="chain", out=out, epochs=8))
+    launcher = subprocess.Popen([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        text = _wait_training(out)
+        head = re.search(r"PS shard 0 copy 0 \(\d+ parameters\) goes to ps-host@(\S+)", text)
+        assert head is not None, text
+        children = json.loads((out / "cluster.json").read_text())["children"]
+        victim = next(c for c in children if c["role"] == "ps" and c["address"] == head.group(1))
+        os.kill(victim["pid"], signal.SIGKILL)
+        stdout, stderr = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 0, stdout + stderr
+    doc = json.loads((out / "summary.json").read_text())
+    metrics = doc["metrics"]
+    assert doc["stop_reason"] == "trained 8 epochs"
+    assert doc["final_accuracy"] >= TARGET, doc["final_accuracy"]
+    kinds = [e["kind"] for e in doc["events"]]
+    assert kinds.count("ps_copy_down") == 1, kinds
+    # nothing lost: every push a replica saw acknowledged is in the copy that lived through the run, once
+    assert metrics["ps_acknowledged_pushes"] > 0
+    assert metrics["ps_acknowledged_pushes"] == metrics["ps0_copy1_applied"], metrics
+    assert metrics["ps0_copy1_divergent"] == 0
+    worker_logs = "".join(p.read_text() for p in (out / "logs").glob("worker*.log"))
+    assert "version went back" not in worker_logs  # pulls read the tail: versions never go back
+    assert "failed for" not in worker_logs  # no push or pull gave up
+    if metrics["ps0_copy1_transfers"]:  # the restarted copy took the state (when it came back before the job ended)
+        assert "ps_copy_joined" in kinds
+        assert metrics["ps0_copy0_version"] == metrics["ps0_copy1_version"]
+        assert metrics["ps0_copy0_applied"] + metrics["ps0_copy1_transfers"] > 0
+        assert metrics["ps0_copy0_divergent"] == 0
