@@ -7,7 +7,8 @@ as a converted set (Arrow IPC files, ``python -m dniasync.data convert``'s forma
 
 - **batches/s**, one shard's epoch in batches of 64 by the seeded block order (``shuffle = "blocks"``), read the way
   a replica reads them: the in-memory array (``MemoryRows``, the ``.npz`` loaded whole), the memory-mapped reader
-  (``MappedRows``: the next batch prefetched on its thread while this one is taken) and ``torch.utils.data.DataLoader``
+  (``MappedRows``: the next batches, ``AHEAD`` of them, prefetched on its thread while this one is taken; uint8 rows
+  gathered and scaled from the mapping in one Rust pass) and ``torch.utils.data.DataLoader``
   with 1 worker process over the same files and the same row batches (``__getitems__`` gathers a batch at once);
   ratio ``mmap_vs_in_memory`` (goal >= 0.9) and ``mmap_vs_dataloader``;
 - **start-up of a replica**: a fresh process that imports torch, opens its split and has its first batch, on the set
@@ -52,6 +53,10 @@ import _common  # noqa: E402
 import _sparse_push  # noqa: E402
 
 WIDTH, CLASSES, BATCH = 784, 10, 64
+AHEAD = 2
+"""Batches a reader is asked for ahead of the one taken: a replica asks for its next batch before it steps on this
+one (and for all of a call's batches at once when it takes several steps per call); with nothing to compute between
+batches here, one batch ahead would time the hand-over between threads, not the reader."""
 
 STARTUP_PROBE = """
 import json, sys, time
@@ -186,10 +191,12 @@ def batches_per_s(paths: dict[str, Path], rows: int, repeat: int) -> dict[str, A
 
     def replica_loop(source: Any) -> float:
         source.take(positions[0])  # warm: the mapping made, the first pages in
+        for idx in positions[:AHEAD]:
+            source.prefetch(idx)
         t0 = time.perf_counter()
         for i, idx in enumerate(positions):
-            if i + 1 < len(positions):
-                source.prefetch(positions[i + 1])
+            if i + AHEAD < len(positions):
+                source.prefetch(positions[i + AHEAD])
             x, y = source.take(idx)
             torch.from_numpy(x), torch.from_numpy(y)
         return len(positions) / (time.perf_counter() - t0)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
 import textwrap
 import time
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +62,8 @@ SECTIONS = {
     "downpour": ("[downpour]\nn_replicas = 2\nn_ps_shards = 1", "adagrad", 0.05, 8),
     "hogwild": ("[hogwild]\nn_workers = 2", "adagrad", 0.05, 8),
     "pipeline": ('[pipeline]\ngroups = [[0, 1], [2]]\nmethod = "sync"', "adam", 1e-3, 1),
+    # examples/p2p_mnist.toml's exchange (threshold-coded updates to every peer), 2 peers
+    "p2p": ('[p2p]\nn_peers = 2\ncodec = "threshold"\ntau = 0.006', "adagrad", 0.03, 8),
 }
 
 
@@ -282,7 +286,7 @@ def test_each_process_maps_and_touches_only_its_shard(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ jobs
 
 
-@pytest.mark.parametrize("mode", ["downpour", "hogwild", "pipeline"])
+@pytest.mark.parametrize("mode", ["downpour", "hogwild", "p2p", "pipeline"])
 def test_a_converted_set_trains_as_the_in_memory_source_does(tmp_path: Path, mnist_converted: Path, mode: str) -> None:
     section, optimizer, lr, epochs = SECTIONS[mode]
     target = "" if mode == "pipeline" else "target_accuracy = 0.9"
@@ -414,3 +418,78 @@ def test_a_set_larger_than_the_memory_limit_trains_without_oom(tmp_path: Path) -
                     break
                 except OSError:  # the exited process's pages still being uncharged
                     time.sleep(0.1)
+
+
+def _cursors(doc: object) -> list[list[int]] | None:
+    """The data cursors (``[shard, epoch, position]``) somewhere in a checkpoint manifest."""
+    if isinstance(doc, dict):
+        if "cursors" in doc:
+            return [list(map(int, c)) for c in doc["cursors"]]
+        doc = list(doc.values())
+    if isinstance(doc, list):
+        for item in doc:
+            found = _cursors(item)
+            if found is not None:
+                return found
+    return None
+
+
+def test_resume_continues_a_converted_set_at_the_rows_the_checkpoint_names(tmp_path: Path,
+                                                                           mnist_converted: Path) -> None:
+    """Downpour from a converted set, its coordinator killed after a few checkpoints, then ``--resume``: the replicas
+    of the resumed run start at the checkpoint's cursors (their logs say where), which name the same rows of the
+    converted set as of the in-memory one, and the job ends as the first run would have."""
+    out = tmp_path / "resume"
+    config = tmp_path / "resume.toml"
+    section, optimizer, lr, _ = SECTIONS["downpour"]
+    config.write_text(MNIST5K_JOB.format(name="resume", out=out, mode="downpour", dataset=mnist_converted,
+                                         section=section, optimizer=optimizer, lr=lr, epochs=20, target="")
+                      + "\n[checkpoint]\nevery_seconds = 0.5\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        log = out / "logs" / "coordinator0.log"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not log.exists() or log.read_text().count("checkpoint ckpt-") < 3):
+            time.sleep(0.1)
+        coordinator = next(c for c in json.loads((out / "cluster.json").read_text())["children"]
+                           if c["role"] == "coordinator")
+        os.kill(coordinator["pid"], 9)
+        stdout, stderr = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 1 and not (out / "summary.json").exists(), stdout + stderr
+    logs_before = {p.name: p.read_text() for p in (out / "logs").glob("worker*.log")}
+    latest = max((out / "checkpoints").glob("ckpt-*"))  # what --resume continues from (later runs prune it)
+    cursors = _cursors(json.loads((latest / "manifest.json").read_text()))
+    resumed = subprocess.run([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config),
+                              "--resume"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["stop_reason"] == "trained 20 epochs" and doc["final_accuracy"] >= 0.9, doc["final_accuracy"]
+    at = next(e for e in doc["events"] if e["kind"] == "resumed")
+    assert Path(at["checkpoint"]).name == latest.name
+    assert cursors is not None and any(position or epoch for _, epoch, position in cursors), cursors
+    # where each replica of the resumed run started: its log's first line about its shards, after the first run's
+    started = {}
+    for path in (out / "logs").glob("worker*.log"):
+        text = path.read_text()
+        text = text[len(logs_before[path.name]):] if text.startswith(logs_before.get(path.name, "\0")) else text
+        for shard, epoch, position in re.findall(r"training shards \[[\d, ]*\] from .*?shard (\d+) epoch (\d+) "
+                                                 r"position (\d+)", text):
+            started.setdefault(int(shard), [int(shard), int(epoch), int(position)])
+    assert sorted(started.values()) == sorted(cursors), (started, cursors)
+    # the rows there: the converted set's order names the in-memory set's rows (whose values it holds)
+    mapped = data_spec(parse_config(tomllib.loads(config.read_text()), resolve=False))
+    memory = data_spec(parse_config(tomllib.loads(config.read_text().replace(str(mnist_converted), "mnist5k")),
+                                    resolve=False))
+    rows_m, _, _ = memory.open_split()
+    rows_c, _, _ = mapped.open_split()
+    plan = mapped.shard_plan()
+    assert plan == memory.shard_plan() and plan.n_shards == 2
+    for shard, epoch, position in cursors:
+        indices, _ = plan.next_batch(DataCursor(shard, epoch, position), 32)
+        np.testing.assert_array_equal(rows_c.take(indices)[0], rows_m.take(indices)[0])
+    rows_c.close()

@@ -248,6 +248,12 @@ class Int8Codec:
 
 # -- float64 vector kernels of Sandblaster L-BFGS (run by each PS shard on its slice) --------
 
+def gather_rows_u8(src: NDArray[np.uint8], offsets: NDArray[np.int64], row_len: int, scale: float,
+                   out: NDArray[np.float32]) -> None:
+    """Rows of ``row_len`` uint8 features starting at byte ``offsets[i]`` of ``src`` into ``out`` (float32,
+    ``len(offsets) * row_len`` elements), each divided by ``scale``: numpy's ``np.divide(x, np.float32(scale),
+    dtype=np.float32)`` bit for bit, in one pass with the GIL released. ValueError for a row outside ``src``."""
+
 def vec_dot(a: NDArray[np.float64], b: NDArray[np.float64]) -> float:
     """``a · b``."""
 

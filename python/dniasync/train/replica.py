@@ -79,7 +79,9 @@ class Replica(Actor):
         await self.run_blocking(self._setup)
         track_replica(self.system, self)
         self.running = True
-        log.info("replica %s: training shards %s", self.name, sorted(self.cursors))
+        log.info("replica %s: training shards %s from %s", self.name, sorted(self.cursors),
+                 ", ".join(f"shard {c.shard} epoch {c.epoch} position {c.position}"
+                           for _, c in sorted(self.cursors.items())))
         # reports go on a clock of their own: a step waiting on a frozen PS shard must not look like death
         self._reporter = asyncio.create_task(self._report_forever(), name=f"{self.name}-progress")
         self._next_step()

@@ -4,6 +4,7 @@
 //!   optimizers applied in place, optional backing by shared memory.
 //! - [`quant`]: threshold (Strom), 1-bit with error feedback (Seide) and 8-bit blockwise
 //!   gradient codecs, each appliable to a store without a dense intermediate.
+//! - [`rows`]: rows of a memory-mapped uint8 data file gathered into a float32 batch.
 //! - [`vecops`]: float64 vector kernels (dot, axpy, linear combinations) that Sandblaster
 //!   L-BFGS runs on each PS shard's slice.
 //!
@@ -14,6 +15,7 @@ pub mod grad;
 pub mod layout;
 pub mod optim;
 pub mod quant;
+pub mod rows;
 pub mod shm;
 mod simd;
 pub mod store;

@@ -662,3 +662,45 @@ fn spans_that_do_not_fit_are_refused_and_change_nothing() {
     assert_eq!(read(&s, 0, 0), before);
     assert_eq!(s.version(0).unwrap(), version);
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Gathered rows are the source bytes divided by the scale in f32, under every ISA.
+    #[test]
+    fn gathered_rows_are_the_bytes_divided_by_the_scale(
+        src in prop::collection::vec(any::<u8>(), 1..4000),
+        row_len in 1usize..300,
+        picks in prop::collection::vec(any::<prop::sample::Index>(), 0..40),
+        scale in prop_oneof![Just(255.0f32), 0.5f32..1000.0],
+        isa in prop::sample::select(available_isas()),
+    ) {
+        prop_assume!(row_len <= src.len());
+        let offsets: Vec<i64> = picks.iter().map(|p| p.index(src.len() - row_len + 1) as i64).collect();
+        let mut out = vec![f32::NAN; offsets.len() * row_len];
+        with_isa(isa, || dniasync_core::rows::gather_u8_scaled(&src, &offsets, row_len, scale, &mut out)).unwrap();
+        for (i, &o) in offsets.iter().enumerate() {
+            for j in 0..row_len {
+                let want = f32::from(src[o as usize + j]) / scale;
+                prop_assert_eq!(out[i * row_len + j].to_bits(), want.to_bits());
+            }
+        }
+    }
+}
+
+#[test]
+fn rows_outside_the_source_are_refused_and_nothing_is_written() {
+    let src = [7u8; 10];
+    let mut out = [0f32; 8];
+    for offsets in [vec![0i64, 7], vec![-1, 0], vec![0, 100]] {
+        assert!(matches!(
+            dniasync_core::rows::gather_u8_scaled(&src, &offsets, 4, 1.0, &mut out),
+            Err(CoreError::InvalidArgument(_))
+        ));
+    }
+    assert_eq!(out, [0.0; 8]);
+    assert!(dniasync_core::rows::gather_u8_scaled(&src, &[0, 6], 4, 0.0, &mut out).is_err());
+    assert!(dniasync_core::rows::gather_u8_scaled(&src, &[0], 4, 1.0, &mut out).is_err());
+    dniasync_core::rows::gather_u8_scaled(&src, &[0, 6], 4, 2.0, &mut out).unwrap();
+    assert_eq!(out, [3.5; 8]);
+}

@@ -9,6 +9,7 @@ mod codec;
 mod errors;
 mod int8;
 mod onebit;
+mod rows;
 mod store;
 mod threshold;
 mod vecops;
@@ -62,6 +63,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(vecops::vec_add_scaled, m)?)?;
     m.add_function(wrap_pyfunction!(vecops::vec_lincomb, m)?)?;
     m.add_function(wrap_pyfunction!(vecops::vec_abs_sum_max, m)?)?;
+    m.add_function(wrap_pyfunction!(rows::gather_rows_u8, m)?)?;
     m.add_class::<store::ParamStore>()?;
     m.add_class::<threshold::ThresholdCodec>()?;
     m.add_class::<onebit::OneBitCodec>()?;

@@ -44,6 +44,7 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
+from ... import _core
 from .readers import DatasetError, IndexArray
 
 __all__ = [
@@ -190,16 +191,18 @@ class _Part:
     """One mapped file, its rows addressed by byte offset in the mapping (nothing is copied until a batch is taken).
 
     Arrow keeps each record batch's buffers contiguous but puts headers between batches, so the file is not one
-    array of rows; a view of the whole mapping with a row starting at every byte makes any row, in any record batch,
-    one index, and a batch's rows one fancy-indexing copy (numpy releases the GIL for it).
+    array of rows; a row is a byte offset in the mapping, whatever its record batch. A batch of uint8 rows is then
+    one pass of the Rust gather (:func:`~dniasync._core.gather_rows_u8`: copied, converted and scaled at once, the
+    GIL released); other dtypes index a view of the whole mapping with a row starting at every byte.
     """
 
     def __init__(self, path: Path, row_bytes: int, layout: tuple[IndexArray, IndexArray, IndexArray]) -> None:
         import pyarrow as pa
 
         self.source = pa.memory_map(str(path), "r")
-        whole = np.frombuffer(self.source.read_buffer(), dtype=np.uint8)
-        self.x, self.y = _rows_at_every_byte(whole, row_bytes), _rows_at_every_byte(whole, 8)
+        self.whole = np.frombuffer(self.source.read_buffer(), dtype=np.uint8)
+        """The mapping, as bytes."""
+        self.x, self.y = _rows_at_every_byte(self.whole, row_bytes), _rows_at_every_byte(self.whole, 8)
         self.row_bytes = row_bytes
         self.starts, x_at, y_at = layout
         # local row r of record batch b is at base[b] + r * width
@@ -210,17 +213,13 @@ class _Part:
         uniform = sizes.size > 1 and sizes[0] > 0 and bool((sizes[:-1] == sizes[0]).all())
         self._batch_rows = int(sizes[0]) if uniform else 0
 
-    def take(self, local: IndexArray) -> tuple[NDArray[np.uint8], IndexArray]:
-        """Rows ``local`` of this file: their features' bytes ``[k, row_bytes]`` and their labels."""
+    def offsets(self, local: IndexArray) -> tuple[IndexArray, IndexArray]:
+        """Where rows ``local`` of this file are: the byte offsets of their features and of their labels."""
         if self._batch_rows:
             b = np.minimum(local // self._batch_rows, self._x_base.size - 1)
         else:
             b = np.searchsorted(self.starts, local, side="right") - 1
-        return self.at(self._x_base[b] + local * self.row_bytes, self._y_base[b] + local * 8)
-
-    def at(self, x_offsets: IndexArray, y_offsets: IndexArray) -> tuple[NDArray[np.uint8], IndexArray]:
-        """The rows whose features and labels start at these byte offsets."""
-        return self.x[x_offsets], self.y[y_offsets].view(np.int64).reshape(-1)
+        return self._x_base[b] + local * self.row_bytes, self._y_base[b] + local * 8
 
 
 class ConvertedDataset:
@@ -241,6 +240,8 @@ class ConvertedDataset:
         self.row_bytes = self.n_features * np.dtype(m.dtype).itemsize
         """Bytes of one row's features in the files."""
         self._layouts = [self._check_file(entry, verify_checksums) for entry in m.files]
+        self._fused = m.dtype == "uint8" and not self.tokens
+        """uint8 features: batches come from the Rust gather (``_core.gather_rows_u8``)."""
         self._parts: dict[int, _Part] = {}
         self._lock = threading.Lock()
         self.rows_read = 0
@@ -330,33 +331,41 @@ class ConvertedDataset:
         readers compute it: bit for bit the same values); token sets give int64.
         """
         rows = np.asarray(rows, dtype=np.int64)
-        m = self.manifest
         if rows.size == 0:
-            x = np.empty((0, self.n_features), dtype=np.dtype(m.dtype))
-            y = np.empty(0, dtype=np.int64)
+            return self._values(np.empty((0, self.n_features), dtype=np.dtype(self.manifest.dtype))), \
+                np.empty(0, dtype=np.int64)
+        lo, hi = int(rows.min()), int(rows.max())
+        if lo < 0 or hi >= len(self):
+            raise DatasetError(f"{self.name}: rows outside [0, {len(self)})")
+        k = bisect.bisect_right(self._starts, lo) - 1
+        if hi < self._starts[k + 1]:  # one file: nearly every batch, since a file holds many blocks
+            x, y = self._rows(k, *self._part(k).offsets(rows - self._starts[k]))
         else:
-            lo, hi = int(rows.min()), int(rows.max())
-            if lo < 0 or hi >= len(self):
-                raise DatasetError(f"{self.name}: rows outside [0, {len(self)})")
-            k = bisect.bisect_right(self._starts, lo) - 1
-            if hi < self._starts[k + 1]:  # one file: nearly every batch, since a file holds many blocks
-                raw, y = self._part(k).take(rows - self._starts[k])
-            else:
-                raw = np.empty((rows.size, self.row_bytes), dtype=np.uint8)
-                y = np.empty(rows.size, dtype=np.int64)
-                files = np.searchsorted(self._file_starts, rows, side="right") - 1
-                for k in np.unique(files).tolist():
-                    sel = np.flatnonzero(files == k)
-                    raw[sel], y[sel] = self._part(k).take(rows[sel] - self._starts[k])
-            x = raw.view(np.dtype(m.dtype))
+            x = np.empty((rows.size, self.n_features), dtype=np.int64 if self.tokens else np.float32)
+            y = np.empty(rows.size, dtype=np.int64)
+            files = np.searchsorted(self._file_starts, rows, side="right") - 1
+            for k in np.unique(files).tolist():
+                sel = np.flatnonzero(files == k)
+                x[sel], y[sel] = self._rows(k, *self._part(k).offsets(rows[sel] - self._starts[k]))
         self.rows_read += int(rows.size)
-        return self._values(x), y
+        return x, y
 
     def gather_at(self, file: int, x_offsets: IndexArray, y_offsets: IndexArray) -> tuple[NDArray[Any], IndexArray]:
         """:meth:`gather` for rows of one file located by the caller: their byte offsets (:meth:`record_batches`)."""
-        raw, y = self._part(file).at(x_offsets, y_offsets)
+        x, y = self._rows(file, x_offsets, y_offsets)
         self.rows_read += int(y.size)
-        return self._values(raw.view(np.dtype(self.manifest.dtype))), y
+        return x, y
+
+    def _rows(self, file: int, x_offsets: IndexArray, y_offsets: IndexArray) -> tuple[NDArray[Any], IndexArray]:
+        """The values and labels of the rows of file ``file`` at these byte offsets."""
+        part = self._part(file)
+        y = part.y[y_offsets].view(np.int64).reshape(-1)
+        if self._fused:  # gathered and scaled in one pass from the mapping, bit for bit what _values gives
+            x_offsets = np.ascontiguousarray(x_offsets, dtype=np.int64)
+            x = np.empty((x_offsets.size, self.n_features), dtype=np.float32)
+            _core.gather_rows_u8(part.whole, x_offsets, self.row_bytes, float(self.manifest.scale), x)
+            return x, y
+        return self._values(part.x[x_offsets].view(np.dtype(self.manifest.dtype))), y
 
     def _values(self, x: NDArray[Any]) -> NDArray[Any]:
         if self.tokens:
