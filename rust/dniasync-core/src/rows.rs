@@ -4,8 +4,10 @@
 //! the page cache); a trainer wants float32 divided by the set's scale. Gathering the rows and
 //! converting them in one pass writes each output value once and reads each source byte once,
 //! straight from the mapping: a page a row lies on is faulted in here, with the interpreter
-//! released. The division is `f32` division, so the values are bit for bit numpy's
-//! `np.divide(x, np.float32(scale), dtype=np.float32)`.
+//! released. The values are bit for bit `f32` division's, numpy's
+//! `np.divide(x, np.float32(scale), dtype=np.float32)`: with FMA, by a multiplication and a
+//! Newton step where that gives the division's bits for all 256 byte values (checked per call,
+//! 256 operations), by division otherwise.
 use crate::error::{check_len, invalid, Result};
 use crate::simd::{isa, Isa};
 
@@ -42,48 +44,66 @@ pub fn gather_u8_scaled(
         return Ok(());
     }
     #[cfg(target_arch = "x86_64")]
-    match isa() {
-        // SAFETY: `isa()` never exceeds what the CPU was detected to have.
-        Isa::Avx512 => return unsafe { avx512(src, offsets, row_len, scale, out) },
-        Isa::Avx2 => return unsafe { avx2(src, offsets, row_len, scale, out) },
-        Isa::Base => {}
+    {
+        let inv = 1.0 / scale;
+        match isa() {
+            // SAFETY: `isa()` never exceeds what the CPU was detected to have.
+            Isa::Avx512 if refined_is_exact(scale, inv) => {
+                unsafe { avx512(src, offsets, row_len, scale, inv, out) };
+                return Ok(());
+            }
+            Isa::Avx2 if refined_is_exact(scale, inv) => {
+                unsafe { avx2(src, offsets, row_len, scale, inv, out) };
+                return Ok(());
+            }
+            _ => {}
+        }
     }
-    gather(src, offsets, row_len, scale, out);
+    gather(src, offsets, row_len, |b| f32::from(b) / scale, out);
     Ok(())
 }
 
+/// `b / scale` by a multiplication and one Newton step (two fused multiply-adds): far faster
+/// than a division, and correctly rounded for nearly every divisor. Only used where every
+/// byte value gives the division's bits (checked by `refined_is_exact`).
 #[inline(always)]
-fn gather(src: &[u8], offsets: &[i64], row_len: usize, scale: f32, out: &mut [f32]) {
+fn refined(b: u8, scale: f32, inv: f32) -> f32 {
+    let x = f32::from(b);
+    let q = x * inv;
+    let r = (-q).mul_add(scale, x);
+    r.mul_add(inv, q)
+}
+
+/// Whether `refined` gives `b / scale` bit for bit for all 256 byte values.
+fn refined_is_exact(scale: f32, inv: f32) -> bool {
+    (0..=255u8).all(|b| refined(b, scale, inv).to_bits() == (f32::from(b) / scale).to_bits())
+}
+
+#[inline(always)]
+fn gather(src: &[u8], offsets: &[i64], row_len: usize, value: impl Fn(u8) -> f32, out: &mut [f32]) {
     for (row, &o) in out.chunks_exact_mut(row_len).zip(offsets) {
         let start = o as usize; // checked by the caller
         for (d, &s) in row.iter_mut().zip(&src[start..start + row_len]) {
-            *d = f32::from(s) / scale;
+            *d = value(s);
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 unsafe fn avx512(
     src: &[u8],
     offsets: &[i64],
     row_len: usize,
     scale: f32,
+    inv: f32,
     out: &mut [f32],
-) -> Result<()> {
-    gather(src, offsets, row_len, scale, out);
-    Ok(())
+) {
+    gather(src, offsets, row_len, |b| refined(b, scale, inv), out);
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn avx2(
-    src: &[u8],
-    offsets: &[i64],
-    row_len: usize,
-    scale: f32,
-    out: &mut [f32],
-) -> Result<()> {
-    gather(src, offsets, row_len, scale, out);
-    Ok(())
+#[target_feature(enable = "avx2,fma")]
+unsafe fn avx2(src: &[u8], offsets: &[i64], row_len: usize, scale: f32, inv: f32, out: &mut [f32]) {
+    gather(src, offsets, row_len, |b| refined(b, scale, inv), out);
 }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final
@@ -28,6 +29,10 @@ from .sharding import RowOrder
 __all__ = ["MappedRows", "MemoryRows", "TrainRows", "open_split"]
 
 _PENDING: Final = 4  # batches a prefetcher holds ahead at most
+_RESIDENT_ROW_S: Final = 3e-6
+"""A read taking less than this per row found its pages in memory (a page read from disk takes ~100 us)."""
+_RESIDENT_STREAK: Final = 8
+"""Reads in a row that fast before prefetching stops handing reads to the thread."""
 
 
 class TrainRows:
@@ -98,8 +103,11 @@ class _Runs:
 class MappedRows(TrainRows):
     """Positions ``[offset, offset + n)`` of a :class:`RowOrder` over a memory-mapped converted set.
 
-    Reads happen on one thread of its own (``prefetch``); :attr:`rows_touched`
-    counts the rows it gathered and :meth:`rows_of` says which rows positions are.
+    Reads happen on one thread of its own (``prefetch``) while they fault pages in from disk; once
+    :data:`_RESIDENT_STREAK` reads in a row found their pages in memory, ``prefetch`` does nothing and
+    ``take`` reads in place (a hand-over between threads costs more than such a read), until a read is
+    slow again. :attr:`rows_touched` counts the rows it gathered and :meth:`rows_of` says which rows
+    positions are.
     """
 
     def __init__(self, data: ConvertedDataset, order: RowOrder, n: int, offset: int = 0) -> None:
@@ -113,6 +121,8 @@ class MappedRows(TrainRows):
         self._pool: ThreadPoolExecutor | None = None
         self._pending: OrderedDict[bytes, Future[tuple[NDArray[Any], IndexArray]]] = OrderedDict()
         self._lock = threading.Lock()
+        self.resident_reads = 0
+        """Reads in a row that found their pages in memory."""
 
     def __len__(self) -> int:
         return self.n
@@ -138,6 +148,13 @@ class MappedRows(TrainRows):
                 return self.data.gather_at(k, runs.x[j] + positions * runs.row_bytes, runs.y[j] + positions * 8)
         return self.data.gather(self.rows_of(positions))
 
+    def _timed_read(self, positions: IndexArray) -> tuple[NDArray[Any], IndexArray]:
+        t0 = time.perf_counter()
+        batch = self._read(positions)
+        fast = time.perf_counter() - t0 < _RESIDENT_ROW_S * max(len(batch[1]), 1)
+        self.resident_reads = self.resident_reads + 1 if fast else 0
+        return batch
+
     def _submit(self, positions: IndexArray) -> Future[tuple[NDArray[Any], IndexArray]]:
         key = np.asarray(positions, dtype=np.int64).tobytes()
         with self._lock:
@@ -145,7 +162,8 @@ class MappedRows(TrainRows):
             if future is None:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"prefetch-{self.data.name}")
-                future = self._pending[key] = self._pool.submit(self._read, np.array(positions, dtype=np.int64))
+                future = self._pending[key] = self._pool.submit(self._timed_read,
+                                                                np.array(positions, dtype=np.int64))
                 while len(self._pending) > _PENDING:
                     self._pending.popitem(last=False)
             return future
@@ -155,11 +173,12 @@ class MappedRows(TrainRows):
             return self._pending.pop(np.asarray(positions, dtype=np.int64).tobytes(), None)
 
     def prefetch(self, positions: IndexArray) -> None:
-        self._submit(positions)
+        if self.resident_reads < _RESIDENT_STREAK:
+            self._submit(positions)
 
     def take(self, positions: IndexArray) -> tuple[NDArray[Any], IndexArray]:
         future = self._claim(positions)
-        return future.result() if future is not None else self._read(positions)
+        return future.result() if future is not None else self._timed_read(positions)
 
     async def take_async(self, positions: IndexArray) -> tuple[NDArray[Any], IndexArray]:
         future = self._claim(positions) or self._submit(positions)
