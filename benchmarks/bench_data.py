@@ -68,7 +68,7 @@ from dniasync.train.data.source import open_split
 torch.set_num_threads(1)
 t1 = time.perf_counter()
 n_train = int(sys.argv[2])
-rows, _, _ = open_split(sys.argv[1], {}, n_train, 1000, 0, shuffle="blocks")
+rows, _, _ = open_split(sys.argv[1], {}, n_train, 1000, 0, shuffle="blocks", held_out=False)  # as a replica does
 idx, _ = ShardPlan(n_train, 2, 0, "blocks").next_batch(DataCursor(0), 64)
 x, y = rows.take(idx)
 torch.from_numpy(x)

@@ -25,12 +25,14 @@ from numpy.typing import NDArray
 __version__: str
 __all__ = [
     "__version__",
+    "BlockRows",
     "Int8Codec",
     "LayoutMismatchError",
     "NonFiniteGradientError",
     "OneBitCodec",
     "ParamStore",
     "ThresholdCodec",
+    "gather_rows_u8",
     "kernel_isa",
     "kernel_isas",
     "set_kernel_isa",
@@ -253,6 +255,18 @@ def gather_rows_u8(src: NDArray[np.uint8], offsets: NDArray[np.int64], row_len: 
     """Rows of ``row_len`` uint8 features starting at byte ``offsets[i]`` of ``src`` into ``out`` (float32,
     ``len(offsets) * row_len`` elements), each divided by ``scale``: numpy's ``np.divide(x, np.float32(scale),
     dtype=np.float32)`` bit for bit, in one pass with the GIL released. ValueError for a row outside ``src``."""
+
+@final
+class BlockRows:
+    """A shard's batches read straight from its files' mappings: positions from ``bounds[j]`` to the next bound are
+    consecutive rows of file ``file[j]`` (-1: not served here), position ``p``'s uint8 features at byte
+    ``x[j] + p * row_len`` of ``srcs[file[j]]`` and its int64 label at ``y[j] + 8 * p``."""
+
+    def __new__(cls, srcs: Sequence[NDArray[np.uint8] | None], bounds: Sequence[int], file: Sequence[int],
+                x: Sequence[int], y: Sequence[int], row_len: int, scale: float) -> BlockRows: ...
+    def take(self, positions: NDArray[np.int64], out_x: NDArray[np.float32], out_y: NDArray[np.int64]) -> bool:
+        """The batch into ``out_x`` (divided by ``scale``, as :func:`gather_rows_u8`) and ``out_y``, the GIL
+        released; False where a position is not served here (nothing to rely on in the outputs then)."""
 
 def vec_dot(a: NDArray[np.float64], b: NDArray[np.float64]) -> float:
     """``a · b``."""

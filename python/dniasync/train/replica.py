@@ -89,7 +89,7 @@ class Replica(Actor):
     def _setup(self) -> None:
         torch.set_num_threads(1)
         spec = self.spec
-        self.rows, _, _ = spec.data.open_split()
+        self.rows, _, _ = spec.data.open_split(held_out=False)
         self.shard_plan = spec.data.shard_plan()
         self._set_cursors(spec.cursors)
         model = spec.model.build()

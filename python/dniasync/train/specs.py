@@ -73,12 +73,13 @@ class DataSpec:
     block: int = 64
     window: int = 16
 
-    def open_split(self) -> tuple[TrainRows, torch.Tensor, torch.Tensor]:
-        """(training rows, held-out x, held-out y): a converted set's training rows stay on disk, mapped."""
+    def open_split(self, held_out: bool = True) -> tuple[TrainRows, torch.Tensor, torch.Tensor]:
+        """(training rows, held-out x, held-out y): a converted set's training rows stay on disk, mapped;
+        ``held_out=False``: its held-out rows are not read (a trainer never evaluates)."""
         import torch
 
         train, x_test, y_test = open_split(self.dataset, self.reader, self.n_train, self.n_test, self.seed,
-                                           shuffle=self.shuffle, block=self.block)
+                                           shuffle=self.shuffle, block=self.block, held_out=held_out)
         return train, torch.from_numpy(x_test), torch.from_numpy(y_test)
 
     def load_split(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -704,3 +704,39 @@ fn rows_outside_the_source_are_refused_and_nothing_is_written() {
     dniasync_core::rows::gather_u8_scaled(&src, &[0, 6], 4, 2.0, &mut out).unwrap();
     assert_eq!(out, [3.5; 8]);
 }
+
+#[test]
+fn a_shard_batch_is_read_from_the_blocks_files_or_refused() {
+    use dniasync_core::rows::{gather_blocks_u8, Blocks};
+    // two files: rows of 2 bytes at 0.., labels (int64) at 100..; positions 0-1 in file 1 from its row 3,
+    // positions 2-4 in file 0 from its row 0, then the closing entry
+    let mut a = vec![0u8; 200];
+    let mut b = vec![0u8; 200];
+    for r in 0..10 {
+        a[2 * r] = r as u8;
+        a[2 * r + 1] = 100 + r as u8;
+        b[2 * r] = 50 + r as u8;
+        b[2 * r + 1] = 150 + r as u8;
+        a[100 + 8 * r..108 + 8 * r].copy_from_slice(&(r as i64).to_le_bytes());
+        b[100 + 8 * r..108 + 8 * r].copy_from_slice(&(10 + r as i64).to_le_bytes());
+    }
+    let srcs: [Option<&[u8]>; 2] = [Some(&a), Some(&b)];
+    // position p of block 0 is row 3 + p of file 1; of block 1 is row p - 2 of file 0
+    let blocks = Blocks {
+        bounds: &[0, 2, 5],
+        file: &[1, 0, -1],
+        x: &[6, -4, 0],
+        y: &[124, 84, 0],
+    };
+    let (mut x, mut y) = (vec![0f32; 6], vec![0i64; 3]);
+    assert!(gather_blocks_u8(&srcs, &blocks, &[1, 4, 2], 2, 2.0, &mut x, &mut y).unwrap());
+    assert_eq!(x, [27.0, 77.0, 1.0, 51.0, 0.0, 50.0]);
+    assert_eq!(y, [14, 2, 0]);
+    for outside in [5i64, -1, 7] {
+        assert!(
+            !gather_blocks_u8(&srcs, &blocks, &[1, outside, 2], 2, 2.0, &mut x, &mut y).unwrap()
+        );
+    }
+    let unmapped: [Option<&[u8]>; 2] = [Some(&a), None];
+    assert!(!gather_blocks_u8(&unmapped, &blocks, &[1], 2, 2.0, &mut x[..2], &mut y[..1]).unwrap());
+}

@@ -65,6 +65,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(vecops::vec_abs_sum_max, m)?)?;
     m.add_function(wrap_pyfunction!(rows::gather_rows_u8, m)?)?;
     m.add_class::<store::ParamStore>()?;
+    m.add_class::<rows::BlockRows>()?;
     m.add_class::<threshold::ThresholdCodec>()?;
     m.add_class::<onebit::OneBitCodec>()?;
     m.add_class::<int8::Int8Codec>()?;

@@ -356,6 +356,29 @@ class ConvertedDataset:
         self.rows_read += int(y.size)
         return x, y
 
+    def block_rows(self, bounds: list[int], file: list[int], x: list[int], y: list[int],
+                   files: set[int]) -> _core.BlockRows | None:
+        """A Rust reader of uint8 rows by position (:class:`~dniasync._core.BlockRows`, what
+        :class:`~dniasync.train.data.source.MappedRows` reads through) over the files ``files`` (mapped here;
+        the others are not served); None for other dtypes."""
+        if not self._fused:
+            return None
+        srcs = [self._part(k).whole if k in files else None for k in range(len(self.manifest.files))]
+        return _core.BlockRows(srcs, bounds, file, x, y, self.row_bytes, float(self.manifest.scale))
+
+    def gather_files(self, files: IndexArray, x_offsets: IndexArray, y_offsets: IndexArray
+                     ) -> tuple[NDArray[Any], IndexArray]:
+        """:meth:`gather_at` for rows of several files: row ``i`` of file ``files[i]``."""
+        x = np.empty((files.size, self.n_features), dtype=np.int64 if self.tokens else np.float32)
+        y = np.empty(files.size, dtype=np.int64)
+        order = np.argsort(files, kind="stable")
+        sorted_files = files[order]
+        cuts = np.flatnonzero(np.diff(sorted_files)) + 1
+        for sel in np.split(order, cuts):
+            x[sel], y[sel] = self._rows(int(files[sel[0]]), x_offsets[sel], y_offsets[sel])
+        self.rows_read += int(files.size)
+        return x, y
+
     def _rows(self, file: int, x_offsets: IndexArray, y_offsets: IndexArray) -> tuple[NDArray[Any], IndexArray]:
         """The values and labels of the rows of file ``file`` at these byte offsets."""
         part = self._part(file)

@@ -22,6 +22,7 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
+from ... import _core
 from .converted import ConvertedDataset, is_converted
 from .readers import DatasetError, IndexArray, load_dataset, split
 from .sharding import RowOrder
@@ -118,6 +119,10 @@ class MappedRows(TrainRows):
         self.name = f"{data.name}[train]"
         self.n_features, self.n_classes = data.n_features, data.n_classes
         self._runs = _Runs(data, order, n, offset) if order.shuffle == "blocks" else None
+        self._mapped: set[int] = set()
+        """Files the Rust reader serves: those a batch has needed so far (each mapped on first use)."""
+        self._blocks = self._block_rows()
+        """uint8 sets: the Rust reader a batch goes through in one call (None: numpy's path)."""
         self._pool: ThreadPoolExecutor | None = None
         self._pending: OrderedDict[bytes, Future[tuple[NDArray[Any], IndexArray]]] = OrderedDict()
         self._lock = threading.Lock()
@@ -138,15 +143,45 @@ class MappedRows(TrainRows):
         return self.data.rows_read
 
     def _read(self, positions: IndexArray) -> tuple[NDArray[Any], IndexArray]:
-        positions = np.asarray(positions, dtype=np.int64)
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        if self._blocks is not None and positions.size:
+            x = np.empty((positions.size, self.n_features), dtype=np.float32)
+            y = np.empty(positions.size, dtype=np.int64)
+            if self._blocks.take(positions, x, y) or (self._map_files_of(positions)
+                                                       and self._blocks.take(positions, x, y)):
+                self.data.rows_read += int(positions.size)
+                return x, y
         runs = self._runs
         if runs is not None and positions.size:
             j = np.searchsorted(runs.bounds, positions, side="right") - 1
             files = runs.file[j]
-            k = int(files.min())
-            if k >= 0 and k == int(files.max()):  # in [0, n), in one file: nearly every batch
-                return self.data.gather_at(k, runs.x[j] + positions * runs.row_bytes, runs.y[j] + positions * 8)
+            k, last = int(files.min()), int(files.max())
+            if k >= 0:  # in [0, n), no block across record batches: every batch but a rare few
+                x_at, y_at = runs.x[j] + positions * runs.row_bytes, runs.y[j] + positions * 8
+                if k == last:
+                    return self.data.gather_at(k, x_at, y_at)
+                return self.data.gather_files(files, x_at, y_at)
         return self.data.gather(self.rows_of(positions))
+
+    def _block_rows(self) -> _core.BlockRows | None:
+        runs = self._runs
+        if runs is None:
+            return None
+        return self.data.block_rows(runs.bounds.tolist(), runs.file.tolist(), runs.x.tolist(), runs.y.tolist(),
+                                    self._mapped)
+
+    def _map_files_of(self, positions: IndexArray) -> bool:
+        """Map the files ``positions`` lie in that the Rust reader does not serve yet; True if there were any."""
+        runs = self._runs
+        assert runs is not None
+        j = np.clip(np.searchsorted(runs.bounds, positions, side="right") - 1, 0, runs.file.size - 1)
+        new = {int(f) for f in np.unique(runs.file[j]) if f >= 0} - self._mapped
+        if not new:
+            return False
+        with self._lock:
+            self._mapped |= new
+            self._blocks = self._block_rows()
+        return True
 
     def _timed_read(self, positions: IndexArray) -> tuple[NDArray[Any], IndexArray]:
         t0 = time.perf_counter()
@@ -194,11 +229,13 @@ class MappedRows(TrainRows):
 
 
 def open_split(dataset: str, reader: dict[str, Any], n_train: int, n_test: int, seed: int, *,
-               shuffle: str = "global", block: int = 64, verify_checksums: bool = False
+               shuffle: str = "global", block: int = 64, verify_checksums: bool = False, held_out: bool = True
                ) -> tuple[TrainRows, NDArray[Any], IndexArray]:
     """(training rows, held-out features, held-out labels) of ``dataset`` split by ``seed``.
 
-    A converted set is opened, not loaded; ``reader`` applies to the in-memory sources only.
+    A converted set is opened, not loaded; ``reader`` applies to the in-memory sources only. ``held_out=False``
+    (a trainer, which never evaluates): a converted set's held-out rows are not read (empty arrays), so a
+    trainer's start does not read rows from every file.
     """
     if n_train < 1 or n_test < 0:
         raise DatasetError(f"split needs n_train >= 1 and n_test >= 0, got {n_train} and {n_test}")
@@ -208,7 +245,7 @@ def open_split(dataset: str, reader: dict[str, Any], n_train: int, n_test: int, 
             raise DatasetError(f"{data.name} has {len(data)} examples, fewer than n_train + n_test = "
                                f"{n_train + n_test}")
         order = RowOrder(len(data), seed, shuffle, block)
-        x_test, y_test = data.gather(order.rows(np.arange(n_train, n_train + n_test)))
+        x_test, y_test = data.gather(order.rows(np.arange(n_train, n_train + n_test if held_out else n_train)))
         data.rows_read = 0  # the counter is the training rows'
         return MappedRows(data, order, n_train), x_test, y_test
     ds = load_dataset(dataset, **reader)
