@@ -443,7 +443,7 @@ def test_resume_continues_a_converted_set_at_the_rows_the_checkpoint_names(tmp_p
     config = tmp_path / "resume.toml"
     section, optimizer, lr, _ = SECTIONS["downpour"]
     config.write_text(MNIST5K_JOB.format(name="resume", out=out, mode="downpour", dataset=mnist_converted,
-                                         section=section, optimizer=optimizer, lr=lr, epochs=20, target="")
+                                         section=section, optimizer=optimizer, lr=lr, epochs=10, target="")
                       + "\n[checkpoint]\nevery_seconds = 0.5\n")
     launcher = subprocess.Popen([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -468,7 +468,7 @@ def test_resume_continues_a_converted_set_at_the_rows_the_checkpoint_names(tmp_p
                               "--resume"], capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     doc = json.loads((out / "summary.json").read_text())
-    assert doc["stop_reason"] == "trained 20 epochs" and doc["final_accuracy"] >= 0.9, doc["final_accuracy"]
+    assert doc["stop_reason"] == "trained 10 epochs" and doc["final_accuracy"] >= 0.9, doc["final_accuracy"]
     at = next(e for e in doc["events"] if e["kind"] == "resumed")
     assert Path(at["checkpoint"]).name == latest.name
     assert cursors is not None and any(position or epoch for _, epoch, position in cursors), cursors
@@ -493,3 +493,31 @@ def test_resume_continues_a_converted_set_at_the_rows_the_checkpoint_names(tmp_p
         indices, _ = plan.next_batch(DataCursor(shard, epoch, position), 32)
         np.testing.assert_array_equal(rows_c.take(indices)[0], rows_m.take(indices)[0])
     rows_c.close()
+
+
+def test_a_set_converted_before_layouts_were_recorded_still_opens_and_a_bad_layout_is_refused(
+        tmp_path: Path, mnist_converted: Path) -> None:
+    """The manifest records each file's record-batch layout (a reader then reads no record batch to open the set); a
+    set written without it is scanned as before and gives the same batches; a layout that does not fit is refused,
+    naming the file and the field."""
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(mnist_converted, old)
+    doc = json.loads((old / "manifest.json").read_text())
+    assert all(len(entry["layout"]) == 3 for entry in doc["files"])
+    for entry in doc["files"]:
+        del entry["layout"]
+    (old / "manifest.json").write_text(json.dumps(doc))
+    new, scanned = ConvertedDataset(mnist_converted), ConvertedDataset(old)
+    rows = np.random.default_rng(0).permutation(len(new))[:500]
+    for a, b in zip(new.gather(rows), scanned.gather(rows)):
+        np.testing.assert_array_equal(a, b)
+    doc["files"][0]["layout"] = [[0, 10], [999_999_999], [8]]
+    (old / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(DatasetError, match="part-00000.arrow: the manifest's layout does not fit"):
+        ConvertedDataset(old)
+    doc["files"][0]["layout"] = [[0], [1]]
+    (old / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(DatasetError, match=r"files\[0\]\.layout"):
+        ConvertedDataset(old)

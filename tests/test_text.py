@@ -110,8 +110,8 @@ def test_both_tokenizers_give_token_sets_and_the_saved_tokenizer_gives_the_same_
 
 @pytest.fixture(scope="module")
 def text_jobs(reviews: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """The shipped example's Downpour job on each tokenizer's set, the WordPiece one for 2 epochs in batches of 16
-    with sparse and with dense pushes, and a Kim CNN pipeline: launched together."""
+    """The shipped example's Downpour job on each tokenizer's set, the WordPiece one also for 2 epochs in batches of
+    16 and by Hogwild, and a Kim CNN pipeline: launched together."""
     tmp = tmp_path_factory.mktemp("text-jobs")
     example = EXAMPLE.read_text()
     jobs = {}
@@ -121,15 +121,11 @@ def text_jobs(reviews: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                .replace('output_dir = "runs/text_reviews_fasttext"', f'output_dir = "{tmp / name}"'))
         assert str(dest) in job and str(tmp / name) in job
         jobs[name] = {"job": job}
-        if tokenizer == "wordpiece":  # sparse against dense pushes over the same work: batches of 16, 2 epochs
-            fixed = (job.replace("max_epochs = 6", "max_epochs = 2").replace("target_accuracy = 0.95\n", "")
-                     .replace("batch_size = 32", "batch_size = 16"))
-            for sparse in ('"auto"', "false"):
-                pushes = "sparse" if sparse == '"auto"' else "dense"
-                compare = (fixed.replace('sparse = "auto"', f"sparse = {sparse}")
-                           .replace(str(tmp / name), str(tmp / f"{name}-{pushes}")))
-                assert f"sparse = {sparse}" in compare and "target_accuracy" not in compare and "= 16" in compare
-                jobs[f"{name}-{pushes}"] = {"job": compare}
+        if tokenizer == "wordpiece":  # sparse pushes (the default) in batches of 16, 2 epochs
+            sparse = (job.replace("max_epochs = 6", "max_epochs = 2").replace("target_accuracy = 0.95\n", "")
+                      .replace("batch_size = 32", "batch_size = 16").replace(str(tmp / name), str(tmp / f"{name}-b16")))
+            assert 'sparse = "auto"' in sparse and "target_accuracy" not in sparse and "= 16" in sparse
+            jobs[f"{name}-b16"] = {"job": sparse}
             # the same model by Hogwild (2 workers, 1 shared store): its steps write only the touched rows
             hogwild = (job.replace('mode = "downpour"', 'mode = "hogwild"')
                        .replace(str(tmp / name), str(tmp / f"{name}-hogwild")))
@@ -161,30 +157,23 @@ def test_fasttext_trains_with_hogwild_sparse_steps(text_jobs: dict[str, dict[str
     assert doc["mode"] == "hogwild" and doc["final_accuracy"] >= 0.9, doc["final_accuracy"]
 
 
-def test_sparse_pushes_train_as_dense_ones_with_20x_fewer_bytes_per_sample(
+def test_sparse_pushes_train_with_20x_fewer_bytes_than_dense_ones_would_take(
         text_jobs: dict[str, dict[str, Any]]) -> None:
-    """The example's job, 2 epochs in batches of 16 (no target), with sparse pushes (its default) and with dense ones.
+    """The example's job (sparse pushes: its default), 2 epochs in batches of 16 (no target).
 
-    The shards apply the same updates either way (tests/test_sparse_push.py); what differs is the runs' timing
-    (two replicas, asynchronous), so accuracy is held to the same bar and within 0.02 of each other. Bytes: a
-    sparse push carries the rows the batch touched, as float32, and the Linear layer; a dense one all 8,192 rows.
-    A batch of 16 reviews touches about 280 rows: 20x is held, both between the two runs' bytes per sample and,
-    within the sparse run, between its pushes and what they would take densely. (At the example's 32 a batch
-    touches about 410 rows, 5% of the table: float32 rows cannot then be 20x smaller; bench_data measures it.)
+    A sparse push carries the rows the batch touched, as float32, and the Linear layer; a dense one all 8,192 rows.
+    The shards apply the same updates either way (``tests/test_sparse_push.py``: the weights equal bit for bit over
+    a websocket), so the bar is the Downpour job's, 0.9. A batch of 16 reviews touches about 280 rows: the pushes
+    are held to 20x fewer bytes than they would have taken densely (the link counts both). At the example's 32 a
+    batch touches about 410 rows, 5% of the table, so float32 rows cannot then be 20x smaller; bench_data measures
+    both and a 65,536-row table.
     """
-    sparse, dense = text_jobs["fasttext-wordpiece-sparse"], text_jobs["fasttext-wordpiece-dense"]
-    assert sparse["samples"] >= 9000 and dense["samples"] >= 9000
-    assert dense["final_accuracy"] >= 0.9 and sparse["final_accuracy"] >= 0.9
-    assert abs(sparse["final_accuracy"] - dense["final_accuracy"]) <= 0.02, (sparse["final_accuracy"],
-                                                                               dense["final_accuracy"])
-    # no row left out: every dense push is the whole model (its float32 values; the summary's total and the replicas'
-    # own count are taken at different moments of the run's end, so each is checked on its own)
+    doc = text_jobs["fasttext-wordpiece-b16"]
+    assert doc["samples"] >= 9000 and doc["final_accuracy"] >= 0.9, (doc["samples"], doc["final_accuracy"])
+    dense = doc["metrics"]["dense_bytes_pushed"]
     model = model_spec(load_config(EXAMPLE, resolve=False)).build()
-    push = 4 * sum(p.numel() for p in model.parameters())
-    assert dense["bytes_pushed"] % push == 0 and dense["metrics"]["dense_bytes_pushed"] % push == 0, push
-    per_sample = {name: doc["bytes_pushed"] / doc["samples"] for name, doc in (("sparse", sparse), ("dense", dense))}
-    assert per_sample["dense"] >= 20 * per_sample["sparse"], per_sample
-    assert sparse["metrics"]["dense_bytes_pushed"] >= 20 * sparse["bytes_pushed"]
+    assert dense % (4 * sum(p.numel() for p in model.parameters())) == 0  # what whole pushes would have taken
+    assert dense >= 20 * doc["bytes_pushed"] > 0, (dense, doc["bytes_pushed"])
 
 
 def test_kim_cnn_cuts_at_every_layer_on_token_ids() -> None:

@@ -77,6 +77,10 @@ class FileEntry:
     rows: int
     bytes: int
     sha256: str
+    layout: list[list[int]] | None = None
+    """Where its record batches are, as the writer left them: their first rows (and the end), the byte offsets of
+    their features and of their labels. A reader then opens the file without reading a record batch (an older
+    set without it is scanned)."""
 
 
 @dataclass(frozen=True)
@@ -140,8 +144,16 @@ class Manifest:
         for i, entry in enumerate(need("files", list)):
             if not isinstance(entry, dict):
                 raise DatasetError(f"{path}: files[{i}] is not an object")
-            files.append(FileEntry(need("name", str, entry, f"files[{i}]."), need("rows", int, entry, f"files[{i}]."),
-                                   need("bytes", int, entry, f"files[{i}]."), need("sha256", str, entry, f"files[{i}].")))
+            layout = entry.get("layout")
+            if layout is not None and not (
+                    isinstance(layout, list) and len(layout) == 3 and all(isinstance(a, list) for a in layout)
+                    and len(layout[0]) == len(layout[1]) + 1 == len(layout[2]) + 1
+                    and all(isinstance(v, int) and not isinstance(v, bool) for a in layout for v in a)):
+                raise DatasetError(f"{path}: field files[{i}].layout must be [starts, x offsets, y offsets] of ints, "
+                                   "one start more than offsets")
+            at = f"files[{i}]."
+            files.append(FileEntry(need("name", str, entry, at), need("rows", int, entry, at),
+                                   need("bytes", int, entry, at), need("sha256", str, entry, at), layout))
         m = cls(rows=need("rows", int), dtype=dtype, shape=[int(d) for d in need("shape", list)], files=files,
                 kind=kind, scale=float(doc.get("scale", 1.0)), n_classes=int(doc.get("n_classes", 0)),
                 source=str(doc.get("source", "")), tokenizer=doc.get("tokenizer"),
@@ -178,6 +190,19 @@ def _layout(source: Any, reader: Any, path: Path, row_bytes: int) -> tuple[Index
     outside = (xa < 0) | (ya < 0) | (xa + sizes * row_bytes > base.size) | (ya + sizes * 8 > base.size)
     if bool(outside[sizes > 0].any()):
         raise DatasetError(f"{path}: record batches not stored in the file as they are read (compressed?)")
+    return first, xa, ya
+
+
+def _stated_layout(stated: list[list[int]], batches: int, size: int, path: Path,
+                   row_bytes: int) -> tuple[IndexArray, IndexArray, IndexArray]:
+    """A manifest's layout of a file (:attr:`FileEntry.layout`), checked against the file's record batch count and
+    size."""
+    first, xa, ya = (np.asarray(a, dtype=np.int64) for a in stated)
+    sizes = np.diff(first)
+    if xa.size != batches or first[0] != 0 or bool((sizes < 0).any()) or bool(
+            ((xa < 0) | (ya < 0) | (xa + sizes * row_bytes > size) | (ya + sizes * 8 > size))[sizes > 0].any()):
+        raise DatasetError(f"{path}: the manifest's layout does not fit the file ({batches} record batches, "
+                           f"{size} bytes)")
     return first, xa, ya
 
 
@@ -272,7 +297,9 @@ class ConvertedDataset:
             raise DatasetError(f"{path}: missing (listed in {self.path / MANIFEST})")
         expected = {X: pa.list_(pa.from_numpy_dtype(np.dtype(self.manifest.dtype)), self.n_features), Y: pa.int64()}
         try:
-            with pa.memory_map(str(path), "r") as source:
+            # with the layout in the manifest only the footer is read (no mapping: a page fault in it would read
+            # megabytes around it on a cold cache); an older set's record batches are scanned through a mapping
+            with pa.OSFile(str(path), "r") if entry.layout else pa.memory_map(str(path), "r") as source:
                 reader = ipc.open_file(source)
                 for column, arrow_type in expected.items():
                     if column not in reader.schema.names:
@@ -280,7 +307,11 @@ class ConvertedDataset:
                     got = reader.schema.field(column).type
                     if got != arrow_type:
                         raise DatasetError(f"{path}: column {column!r} is {got}, the manifest says {arrow_type}")
-                layout = _layout(source, reader, path, self.row_bytes)
+                if entry.layout:
+                    layout = _stated_layout(entry.layout, reader.num_record_batches, path.stat().st_size, path,
+                                            self.row_bytes)
+                else:
+                    layout = _layout(source, reader, path, self.row_bytes)
         except (pa.ArrowInvalid, OSError) as e:
             size = path.stat().st_size
             raise DatasetError(f"{path}: not a readable Arrow IPC file ({size} bytes, the manifest says "
@@ -440,12 +471,19 @@ class ConvertedWriter:
         self._name, self._file_rows = name, 0
 
     def _close_file(self) -> None:
+        import pyarrow as pa
+        import pyarrow.ipc as ipc
+
         if self._writer is None:
             return
         self._writer.close()
         self._sink.close()
         path = self.tmp / self._name
-        self.files.append(FileEntry(self._name, self._file_rows, path.stat().st_size, _sha256(path)))
+        with pa.memory_map(str(path), "r") as source:  # just written: its pages are in memory
+            row_bytes = self.n_features * np.dtype(self.dtype).itemsize
+            first, xa, ya = _layout(source, ipc.open_file(source), path, row_bytes)
+        self.files.append(FileEntry(self._name, self._file_rows, path.stat().st_size, _sha256(path),
+                                    [first.tolist(), xa.tolist(), ya.tolist()]))
         self._writer = None
 
     def write(self, x: NDArray[Any], y: NDArray[Any]) -> None:
