@@ -190,7 +190,19 @@ def batches_per_s(paths: dict[str, Path], rows: int, repeat: int) -> dict[str, A
     assert isinstance(mapped, MappedRows) and not isinstance(memory, MappedRows)
     row_batches = [mapped.rows_of(p).tolist() for p in positions]
 
-    def replica_loop(source: Any) -> float:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, 256), torch.nn.ReLU(), torch.nn.Linear(256, CLASSES))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        """A replica's work between batches: one step of a 784-256-10 MLP."""
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    def replica_loop(source: Any, train: bool = False) -> float:
+        """Batches/s of one epoch taken as a replica takes them (``train``: with :func:`step` between)."""
         source.take(positions[0])  # warm: the mapping made, the first pages in
         for idx in positions[:AHEAD]:
             source.prefetch(idx)
@@ -199,27 +211,9 @@ def batches_per_s(paths: dict[str, Path], rows: int, repeat: int) -> dict[str, A
             if i + AHEAD < len(positions):
                 source.prefetch(positions[i + AHEAD])
             x, y = source.take(idx)
-            torch.from_numpy(x), torch.from_numpy(y)
-        return len(positions) / (time.perf_counter() - t0)
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, 256), torch.nn.ReLU(), torch.nn.Linear(256, CLASSES))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def training_loop(source: Any) -> float:
-        """:func:`replica_loop` with a replica's work between batches: one step of a 784-256-10 MLP."""
-        source.take(positions[0])
-        for idx in positions[:AHEAD]:
-            source.prefetch(idx)
-        t0 = time.perf_counter()
-        for i, idx in enumerate(positions):
-            if i + AHEAD < len(positions):
-                source.prefetch(positions[i + AHEAD])
-            x, y = source.take(idx)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y)).backward()
-            opt.step()
+            tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+            if train:
+                step(tx, ty)
         return len(positions) / (time.perf_counter() - t0)
 
     def dataloader() -> float:
@@ -237,8 +231,8 @@ def batches_per_s(paths: dict[str, Path], rows: int, repeat: int) -> dict[str, A
         out["in_memory"].append(replica_loop(memory))
         out["mmap"].append(replica_loop(mapped))
         out["dataloader_1_worker"].append(dataloader())
-        out["in_memory_training"].append(training_loop(memory))
-        out["mmap_training"].append(training_loop(mapped))
+        out["in_memory_training"].append(replica_loop(memory, train=True))
+        out["mmap_training"].append(replica_loop(mapped, train=True))
     mapped.close()
     return {name: {"batches_per_s": statistics.median(v), "runs": v} for name, v in out.items()} | {
         "batches": len(positions), "batch_size": BATCH}
