@@ -25,8 +25,19 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def cpu() -> dict[str, Any]:
+    """The CPU's model name and the vector ISAs the kernels choose between (from /proc/cpuinfo on Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {"cpu_model": platform.processor() or None}
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in text.splitlines() if ":" in line)}
+    model, flags = fields.get("model name"), set(fields.get("flags", "").split())
+    return {"cpu_model": model, "isa": [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl") if f in flags]}
+
+
 def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {"cpus": os.cpu_count(), "python": platform.python_version()}
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "python": platform.python_version(), **cpu()}
     try:
         import torch
 
