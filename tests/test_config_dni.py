@@ -142,6 +142,22 @@ def test_replicated_groups_take_any_ps_optimizer() -> None:
     assert (config.optimizer.name, config.settings.n_push, config.settings.n_workers) == ("adagrad", 2, 6)
 
 
+def test_spectrain_runs_with_ps_shards_and_any_of_their_optimizers_not_with_p2p() -> None:
+    """With PS shards the stages predict from their weights' velocity: no optimizer of their own, no momentum."""
+    spectrain = with_(with_(base(), "pipeline.method", "spectrain"), "pipeline.replicas", 2)
+    for optimizer in ({"name": "sgd", "lr": 0.05}, {"name": "adagrad", "lr": 0.05}):
+        config = parse_config(with_(spectrain, "optimizer", optimizer))
+        assert (config.settings.method, config.sync_kind, config.optimizer.name) == ("spectrain", "ps", optimizer["name"])
+    assert parse_config(with_(spectrain, "pipeline.method", "spectrain_stash")).settings.method == "spectrain_stash"
+    with pytest.raises(ConfigError, match="'optimizer.name' is 'sgd'; spectrain predicts with the momentum") as err:
+        parse_config(with_(with_(spectrain, "pipeline.replicas", 1), "optimizer", {"name": "sgd", "lr": 0.05}))
+    assert err.value.key == "optimizer.name"  # one pipeline steps its own optimizer: momentum or Adam
+    p2p = with_(with_(spectrain, "sync.kind", "p2p"), "pipeline.tau", 5e-4)
+    with pytest.raises(ConfigError, match="with sync.kind 'p2p' a stage steps a ParamStore") as err:
+        parse_config(p2p)
+    assert err.value.key == "pipeline.method"
+
+
 def test_the_pipeline_sync_follows_its_replicas() -> None:
     """One pipeline trains alone (`local`); replicated pipelines share through PS shards (`ps`) unless told."""
     alone = parse_config(base())

@@ -35,7 +35,14 @@ from dniasync.train.pipeline import (
 from dniasync.train.pipeline.protocol import Connect, Done, Forward, Gradient, StageDown, StatsRequest
 from dniasync.train.pipeline.rules import RULES, Kept, Outcome, StageContext, UpdateRule, get_rule
 from dniasync.train.pipeline.rules import real
-from dniasync.train.pipeline.rules.real import SpecTrainRule, SpecTrainStashRule, StashRule, predict_weights, prior_gap
+from dniasync.train.pipeline.rules.real import (
+    SpecTrainRule,
+    SpecTrainStashRule,
+    StashRule,
+    WeightVelocity,
+    predict_weights,
+    prior_gap,
+)
 
 torch.set_num_threads(1)
 
@@ -160,12 +167,51 @@ def test_spectrain_adam_prediction_is_the_current_adam_step() -> None:
                                rtol=1e-4, atol=1e-6)
 
 
+def test_spectrain_velocity_prediction_is_the_formula_on_a_hand_computed_case() -> None:
+    """PS shards: the weights move only when a pull lands, by what every replica pushed.
+
+    w = [1, 2] at step 0; a pull at step 2 brings [0.6, 2.4]: the velocity is ([0.6, 2.4] - [1, 2]) / 2 =
+    [-0.2, 0.2] per step. A pull at step 3 brings [0.5, 2.4]: observed [-0.1, 0] per step, smoothed (β = 0.9)
+    to 0.9·[-0.2, 0.2] + 0.1·[-0.1, 0] = [-0.19, 0.18]; with a gap of 2.5 steps, Ŵ = [0.5, 2.4] + 2.5·[-0.19, 0.18].
+    The bias, never changed, is predicted unchanged (no velocity yet), as it is before the first pull.
+    """
+    layer = nn.Linear(2, 1)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[1.0, 2.0]]))
+        layer.bias.fill_(0.5)
+    velocity = WeightVelocity(smoothing=0.9)
+    velocity.observe(layer, 0)
+    assert torch.equal(velocity.predict(layer, 4.0)["weight"], layer.weight.detach())  # no velocity yet
+    velocity.observe(layer, 1)  # a step, no pull: nothing changed
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[0.6, 2.4]]))
+    velocity.observe(layer, 2)
+    torch.testing.assert_close(velocity.predict(layer, 1.0)["weight"], torch.tensor([[0.4, 2.6]]))
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[0.5, 2.4]]))
+    velocity.observe(layer, 3)
+    out: dict[str, torch.Tensor] = {}
+    predicted = velocity.predict(layer, 2.5, out)
+    torch.testing.assert_close(predicted["weight"], torch.tensor([[0.5 - 2.5 * 0.19, 2.4 + 2.5 * 0.18]]))
+    assert predicted["bias"].item() == 0.5 and velocity.changes == 2
+    buffers = {name: t.data_ptr() for name, t in out.items()}
+    velocity.predict(layer, 1.0, out)
+    assert {name: t.data_ptr() for name, t in out.items()} == buffers  # the buffers are reused, not reallocated
+    assert torch.equal(layer.weight.detach(), torch.tensor([[0.5, 2.4]]))  # the prediction leaves the weights alone
+    # new layers (a regroup) start over: no velocity until they change
+    other = nn.Linear(2, 1)
+    velocity.observe(other, 4)
+    assert torch.equal(velocity.predict(other, 3.0)["weight"], other.weight.detach())
+
+
 def test_spectrain_prior_gap_and_its_checks() -> None:
     assert [prior_gap(r, 4, 4) for r in range(4)] == [3, 2, 1, 0]
     assert [prior_gap(r, 2, 8) for r in range(2)] == [7, 0]
     assert [prior_gap(r, 3, 1) for r in range(3)] == [0, 0, 0]
     with pytest.raises(ValueError, match="needs momentum > 0"):
         build_stages(mlp(), GROUPS, StageSettings(rule="spectrain", optimizer="sgd"), 64)
+    # with PS shards, which apply any optimizer, the stages predict from the weights' velocity: no momentum needed
+    build_stages(mlp(), GROUPS, StageSettings(rule="spectrain", optimizer="sgd", optimizer_on_ps=True), 64)
     with pytest.raises(ValueError, match="synthetic inputs need"):
         build_stages(mlp(), GROUPS, StageSettings(rule="stash", synthetic_inputs=True), 64)
 

@@ -155,6 +155,7 @@ class PipelineJob:
         settings = StageSettings(
             rule=p.method, lr=opt.lr, optimizer="sgd" if opt.name in ("sgd", "momentum") else "adam",  # with PS shards
             momentum=opt.momentum if opt.name == "momentum" and not self.config.sync_needs_ps else 0.0,  # they apply it
+            optimizer_on_ps=self.config.sync_needs_ps,
             max_in_flight=p.max_in_flight, num_classes=self.num_classes, cache_size=max(64, 2 * p.max_in_flight, 2 * p.micro_batches),
             sg_hidden_layers=p.sg_hidden_layers, sg_hidden_width=p.sg_hidden_width, sg_lr=p.sg_lr,
             sg_fit_rows=p.sg_fit_rows, synthetic_inputs=p.synthetic_inputs,

@@ -5,7 +5,8 @@ stages, each hosted by a :class:`~dniasync.train.pipeline.Stage` actor in a
 worker process. ``method`` is the update rule every stage follows (DNI and
 cDNI: synthetic gradients; ``sync``: the synchronous GPipe-style baseline;
 ``async``, ``stash``, ``spectrain``: asynchronous 1F1B pipelines with real
-gradients). With ``replicas = 1`` (``sync.kind = "local"``) each stage trains with ``[optimizer]``
+gradients; SpecTrain with PS shards predicts from the weights' observed velocity, as the stages step no optimizer
+of their own). With ``replicas = 1`` (``sync.kind = "local"``) each stage trains with ``[optimizer]``
 locally (``adam``, ``sgd`` or ``momentum``; ``lr`` and ``momentum`` only); with ``replicas > 1`` and the ``ps`` sync
 (DNI x Downpour, the default) every stage has one PS shard that applies ``[optimizer]`` to the pushes of its replicas;
 with ``replicas > 1`` and the ``p2p`` sync (DNI x p2p) there is no PS: each stage replica steps its own optimizer and
@@ -62,7 +63,8 @@ class PipelineConfig(Section, frozen=True):
         "`dni` (synthetic gradients), `cdni` (synthetic gradients conditioned on the labels), `sync` (the "
         "synchronous pipeline baseline: real backprop, GPipe-style micro-batches), or an asynchronous 1F1B pipeline "
         "with real gradients, each stage updating as a batch's gradient returns: `async` (no correction), `stash` "
-        "(PipeDream weight stashing), `spectrain` (SpecTrain weight prediction; optimizer `momentum` or `adam`) "
+        "(PipeDream weight stashing), `spectrain` (SpecTrain weight prediction; optimizer `momentum` or `adam`, or any "
+        "with PS shards, where it predicts from the weights' observed velocity) "
         "or `spectrain_stash` (SpecTrain's forward, then that forward's own graph back-propagated: the gradient at the "
         "predicted weights, no second forward, one weight copy per batch in flight)"))
     ] = "cdni"
@@ -140,8 +142,9 @@ def _check_p2p(config: Config) -> None:
         raise ConfigError("'regroup.enabled' does not apply with sync.kind 'p2p': a stage's layers never move "
                           "between its peers' copies", "regroup.enabled")
     if p.method.startswith("spectrain"):
-        raise ConfigError("'pipeline.method' spectrain predicts from a torch optimizer's state; with sync.kind "
-                          "'p2p' a stage steps a ParamStore", "pipeline.method")
+        raise ConfigError("'pipeline.method' spectrain with stage replicas predicts for PS shards (sync.kind 'ps'); "
+                          "with sync.kind 'p2p' a stage steps a ParamStore and applies its peers' updates as they "
+                          "come, which its prediction is not made for", "pipeline.method")
     if config.sync.fanout > 0 and config.sync.fanout >= p.replicas:
         raise ConfigError(f"'sync.fanout' is {config.sync.fanout}, but a stage has only {p.replicas - 1} other "
                           "replicas: use 0 (every one)", "sync.fanout")
@@ -199,10 +202,7 @@ class _Pipeline:
             if p.lr_decay != "none":
                 raise ConfigError(f"'pipeline.lr_decay' does not apply with sync.kind {kind!r}: the PS shards apply "
                                   "the optimizer", "pipeline.lr_decay")
-            if p.method.startswith("spectrain"):
-                raise ConfigError("'pipeline.method' spectrain predicts from each stage's own optimizer: it does not "
-                                  f"apply with sync.kind {kind!r}, where the PS shards apply it", "pipeline.method")
-            return
+            return  # the shards apply any optimizer; spectrain predicts from the weights' observed velocity
         # each stage steps its own torch optimizer: only its name, lr and (SGD's) momentum apply
         if opt.name not in LOCAL_OPTIMIZERS:
             raise ConfigError(

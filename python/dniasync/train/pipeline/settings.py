@@ -26,6 +26,10 @@ class StageSettings:
     spectrain: inputs, and stash its weight versions; spectrain_stash: graphs
     and predicted weights).
     ``momentum``: SGD's momentum (SpecTrain predicts with the momentum buffer).
+    ``optimizer_on_ps``: the stages' replicas share their weights through PS
+    shards, which apply the job's optimizer (any: ``optimizer`` and
+    ``momentum`` are not the stages'); SpecTrain then predicts from the
+    weights' observed velocity.
     ``max_in_flight``: the batches the driver keeps in flight, SpecTrain's prior
     for a stage's version gap until it has measured it.
 
@@ -43,6 +47,7 @@ class StageSettings:
     lr: float = 1e-3
     optimizer: Literal["adam", "sgd"] = "adam"
     momentum: float = 0.0
+    optimizer_on_ps: bool = False
     max_in_flight: int = 1
     num_classes: int = 10
     cache_size: int = 64

@@ -48,6 +48,14 @@ moves ``lr·buf``, so ``s`` steps move about ``s·lr·buf``: the paper's
 smoothed gradient in torch's convention). With Adam, the current Adam step
 direction ``m̂ / (√v̂ + ε)`` (our extension; the paper predicts for momentum
 SGD only).
+
+With PS shards (replicated pipelines, SpecTrain x Downpour; our extension) the
+stage steps no optimizer: it pushes its gradients and pulls the weights, which
+move by every replica's pushes and the shards' optimizer, whatever it is. It
+predicts from the weights' own velocity instead (:class:`WeightVelocity`):
+``Ŵ = W + s·u``, ``u`` the change of the weights per step of the stage, seen
+at each pull and smoothed, and ``s`` the same measured gap, in the stage's
+own steps.
 """
 
 from __future__ import annotations
@@ -73,6 +81,8 @@ __all__ = [
     "SpecTrainRule",
     "SpecTrainStashRule",
     "StashRule",
+    "VELOCITY_SMOOTHING",
+    "WeightVelocity",
     "predict_weights",
     "prior_gap",
 ]
@@ -81,6 +91,8 @@ GAP_WINDOW: Final = 32
 """SpecTrain predicts with the mean version gap of this many recent batches."""
 PROBE_EVERY: Final = 16
 """SpecTrain measures its prediction error on one batch in this many."""
+VELOCITY_SMOOTHING: Final = 0.9
+"""The weight of the past in :class:`WeightVelocity`'s moving average of the observed velocities (see there)."""
 
 
 @contextmanager
@@ -260,11 +272,115 @@ def predict_weights(
     return predicted
 
 
+class WeightVelocity:
+    """The velocity of a stage's weights per step of the stage, observed rather than read from an optimizer.
+
+    With PS shards a stage's weights change only when a pull lands, by
+    whatever every replica pushed since and the shards' optimizer made of it.
+    :meth:`observe` keeps, per parameter, the weights seen at their last change
+    and the stage's step count then; when they have changed, the velocity
+    observed is ``(W_now − W_then) / (steps_now − steps_then)`` and ``u``
+    becomes its moving average, ``u ← β·u + (1 − β)·observed`` (the first
+    observation taken as it is).
+
+    ``β`` (:data:`VELOCITY_SMOOTHING`, 0.9) is the paper's momentum, in the same
+    role: an average over about ``1 / (1 − β) = 10`` changes, long enough that
+    the uneven count of other replicas' pushes landing between two pulls (none,
+    one or several) averages out, short enough to follow the weights' drift as
+    the loss surface and the shards' own momentum turn it over tens of steps.
+
+    Observing costs one comparison of the weights per step of the stage, and a
+    few in-place passes when they changed; the weights seen and the velocity are
+    two copies of them, allocated when the layers are first seen (or change,
+    after a regroup), never per batch.
+    """
+
+    def __init__(self, smoothing: float = VELOCITY_SMOOTHING) -> None:
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
+        self.smoothing = smoothing
+        self._params: tuple[nn.Parameter, ...] = ()
+        self._then: dict[str, torch.Tensor] = {}
+        self._then_steps: dict[str, int] = {}
+        self._velocity: dict[str, torch.Tensor] = {}
+        self._moving: set[str] = set()
+        """Parameters with a velocity (seen to change at least once)."""
+        self.steps_seen: int | None = None
+        """The stage's step count at the last observation (None: nothing seen yet)."""
+        self.changes = 0
+        """Parameter changes observed so far."""
+
+    def observe(self, layers: nn.Module, steps: int) -> None:
+        """Look at ``layers``' weights, the stage having taken ``steps`` steps: update the velocity of those that
+        changed. New layers (a regroup) start over: their velocity is unknown until they change."""
+        params = tuple(layers.parameters())
+        if len(params) != len(self._params) or any(
+            a is not b or a.shape != self._then[name].shape
+            for (name, a), b in zip(layers.named_parameters(), self._params)
+        ):
+            self._reset(layers, params, steps)
+            return
+        if steps == self.steps_seen:
+            return
+        self.steps_seen = steps
+        beta = self.smoothing
+        with torch.no_grad():
+            for name, p in layers.named_parameters():
+                then, w = self._then[name], p.detach()
+                if torch.equal(then, w):
+                    continue
+                elapsed = steps - self._then_steps[name]
+                if elapsed <= 0:  # a step count set back (not a stage's own): start this parameter over
+                    then.copy_(w)
+                    self._then_steps[name] = steps
+                    self._moving.discard(name)
+                    continue
+                observed = then.sub_(w).mul_(-1.0 / elapsed)  # (W_now − W_then) / Δsteps, in the buffer of W_then
+                v = self._velocity[name]
+                if name in self._moving:
+                    v.mul_(beta).add_(observed, alpha=1.0 - beta)
+                else:
+                    v.copy_(observed)
+                    self._moving.add(name)
+                then.copy_(w)
+                self._then_steps[name] = steps
+                self.changes += 1
+
+    def _reset(self, layers: nn.Module, params: tuple[nn.Parameter, ...], steps: int) -> None:
+        self._params = params
+        with torch.no_grad():
+            self._then = {n: p.detach().clone() for n, p in layers.named_parameters()}
+            self._velocity = {n: torch.zeros_like(p, requires_grad=False) for n, p in layers.named_parameters()}
+        self._then_steps = dict.fromkeys(self._then, steps)
+        self._moving = set()
+        self.steps_seen = steps
+
+    def predict(
+        self, layers: nn.Module, gap: float, out: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """``W + gap·u`` for every parameter of ``layers`` (by name); unchanged for one without a velocity yet.
+        ``out``: buffers to write into, as :func:`predict_weights`'s."""
+        tracked = len(self._params) == sum(1 for _ in layers.parameters()) and all(
+            a is b for a, b in zip(layers.parameters(), self._params))
+        predicted = out if out is not None else {}
+        with torch.no_grad():
+            for name, p in layers.named_parameters():
+                buf = predicted.get(name)
+                if buf is None or buf.shape != p.shape:
+                    buf = predicted[name] = torch.empty_like(p, requires_grad=False)
+                if tracked and name in self._moving:
+                    torch.add(p.detach(), self._velocity[name], alpha=gap, out=buf)
+                else:
+                    buf.copy_(p)
+        return predicted
+
+
 class SpecTrainRule(_RealGradientRule):
     """SpecTrain: the forward meets the weights predicted for the gradient's return; the backward the current ones.
 
-    Needs the stage's own optimizer: SGD with momentum (the paper) or Adam.
-    :attr:`gap` is the version gap predicted with now.
+    Predicts from the stage's own optimizer, SGD with momentum (the paper) or
+    Adam; with none (PS shards apply it), from the weights' observed velocity
+    (:attr:`velocity`). :attr:`gap` is the version gap predicted with now.
     """
 
     recomputes: ClassVar[bool] = True
@@ -275,6 +391,8 @@ class SpecTrainRule(_RealGradientRule):
         self.prior = prior_gap(shape.index, shape.stages, settings.max_in_flight)
         self._forwards = 0
         self._predicted: dict[str, torch.Tensor] = {}
+        self.velocity = WeightVelocity()
+        """The weights' own velocity, for a stage without an optimizer (PS shards)."""
         self._probe: tuple[int, Mapping[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
         """(batch id, the weights predicted for it, those its forward would have met unpredicted)"""
         self._probes = 0
@@ -284,7 +402,7 @@ class SpecTrainRule(_RealGradientRule):
     @classmethod
     def check(cls, settings: StageSettings) -> None:
         super().check(settings)
-        if settings.optimizer == "sgd" and settings.momentum <= 0.0:
+        if not settings.optimizer_on_ps and settings.optimizer == "sgd" and settings.momentum <= 0.0:
             raise ValueError("spectrain with the optimizer 'sgd' needs momentum > 0 (it predicts with the momentum)")
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -305,8 +423,10 @@ class SpecTrainRule(_RealGradientRule):
             return None
         optimizer = stage.params.optimizer
         if optimizer is None:
-            raise RuntimeError("spectrain predicts from the stage's own optimizer: it needs pipeline.replicas = 1")
-        predicted = await stage.run_blocking(predict_weights, stage.layers, optimizer, gap, self._buffers(msg))
+            predicted = await stage.run_blocking(self._predict_from_velocity, stage.layers, stage.steps, gap,
+                                                 self._buffers(msg))
+        else:
+            predicted = await stage.run_blocking(predict_weights, stage.layers, optimizer, gap, self._buffers(msg))
         self._forwards += 1
         if self._probe is None and self._forwards % PROBE_EVERY == 0:
             with torch.no_grad():
@@ -314,6 +434,18 @@ class SpecTrainRule(_RealGradientRule):
                 kept = {n: t.clone() for n, t in predicted.items()}
             self._probe = (msg.batch_id, kept, now)
         return predicted
+
+    def _predict_from_velocity(
+        self, layers: nn.Module, steps: int, gap: float, out: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        self.velocity.observe(layers, steps)
+        return self.velocity.predict(layers, gap, out)
+
+    async def _observe(self, stage: StageContext) -> None:
+        """Before a returning gradient steps: see what the pulls since the last step did to the weights, at the step
+        count they landed at (a stage with its own optimizer has nothing to observe)."""
+        if stage.params.optimizer is None and self.velocity.steps_seen != stage.steps:
+            await stage.run_blocking(self.velocity.observe, stage.layers, stage.steps)
 
     def _buffers(self, msg: Forward) -> dict[str, torch.Tensor]:
         """Where batch ``msg``'s prediction goes: one set of buffers, since a batch's forward is done with its
@@ -327,6 +459,7 @@ class SpecTrainRule(_RealGradientRule):
 
     async def on_gradient(self, stage: StageContext, kept: Kept, msg: Gradient) -> Outcome:
         self._returned(stage, kept, msg.batch_id)
+        await self._observe(stage)
         return await super().on_gradient(stage, kept, msg)
 
     def on_late_gradient(self, batch_id: int) -> Outcome:
@@ -406,6 +539,7 @@ class SpecTrainStashRule(SpecTrainRule):
 
     async def on_gradient(self, stage: StageContext, kept: Kept, msg: Gradient) -> Outcome:
         self._returned(stage, kept, msg.batch_id)
+        await self._observe(stage)
         weights = self._held.get(msg.batch_id)
         if weights is None:  # a stage that kept no prediction (the last) has no gradient coming back
             raise RuntimeError(f"spectrain_stash: no predicted weights kept for batch {msg.batch_id}")
