@@ -9,11 +9,12 @@ score their snapshots after training, ``eval.deferred``), so runs go to their st
 
 Cells: the MLP 784-1024x4-10 and the CNN of ``train/models.py`` (GroupNorm: replicas share weights
 through PS shards, so no per-replica running statistics), each with
-- 2 worker processes: Downpour (Adagrad per PS shard), Downpour with ``staleness = "inverse"``,
+- 2 worker processes: Downpour (Adagrad, 2 PS shards), Downpour with ``staleness = "inverse"``,
   ``pipeline:dni``, ``pipeline:cdni``, ``pipeline:spectrain`` (2 stages), ``p2p``, ``hogwild``, and the
   single-process torch baselines ``torch:1thread`` and ``torch:all-cores``, and ``downpour:local`` (Downpour
   with the local-steps exchange of ``examples/downpour_local_steps_mnist.toml``: H = 4, outer lr 0.7,
-  momentum 0.5);
+  momentum 0.5) and ``downpour:shm`` (Downpour whose PS is the machine's shared memory, ``[sync] kind =
+  "shm"``: no PS process);
 - 4 worker processes: the replicated pipelines ``pipeline:dni+ps``, ``pipeline:cdni+ps``,
   ``pipeline:spectrain+ps`` (2 stages x 2 replicas) against 4-process Downpour (with and without the
   staleness-aware lr).
@@ -97,11 +98,14 @@ def _variants() -> dict[str, Variant]:
     adagrad, adam = {"name": "adagrad"}, {"name": "adam"}
     momentum = {"name": "momentum", "momentum": 0.9}
     out = [
-        Variant("downpour", "downpour", adagrad, ADAGRAD),
-        Variant("downpour:inverse", "downpour", adagrad, (0.05, 0.1, 0.2), {"downpour": {"staleness": "inverse"}}),
+        Variant("downpour", "downpour", adagrad, ADAGRAD, {"downpour": {"n_ps_shards": 2}}),
+        Variant("downpour:inverse", "downpour", adagrad, (0.05, 0.1, 0.2),
+                {"downpour": {"n_ps_shards": 2, "staleness": "inverse"}}),
         # examples/downpour_local_steps_mnist.toml's exchange: H = 4 inner Adagrad steps, DiLoCo's outer step
         Variant("downpour:local", "downpour", adagrad, ADAGRAD,
-                {"sync": {"local_steps": 4, "outer_lr": 0.7, "outer_momentum": 0.5}}),
+                {"downpour": {"n_ps_shards": 2}, "sync": {"local_steps": 4, "outer_lr": 0.7, "outer_momentum": 0.5}}),
+        # examples/downpour_shm_mnist.toml: the PS is the machine's shared memory, no PS process
+        Variant("downpour:shm", "downpour", adagrad, ADAGRAD, {"sync": {"kind": "shm"}}),
         Variant("pipeline:dni", "pipeline:dni", adam, (1e-4, 3e-4, 1e-3)),
         Variant("pipeline:cdni", "pipeline:cdni", adam, (1e-4, 3e-4, 1e-3)),
         Variant("pipeline:spectrain", "pipeline:spectrain", momentum, (0.005, 0.02, 0.05)),
@@ -118,7 +122,7 @@ def _variants() -> dict[str, Variant]:
 
 VARIANTS = _variants()
 CELLS_FULL: dict[int, tuple[str, ...]] = {
-    2: ("downpour", "downpour:inverse", "downpour:local", "pipeline:dni", "pipeline:cdni", "pipeline:spectrain",
+    2: ("downpour", "downpour:inverse", "downpour:local", "downpour:shm", "pipeline:dni", "pipeline:cdni", "pipeline:spectrain",
         "p2p", "hogwild", "torch:1thread", "torch:all-cores"),
     4: ("downpour", "downpour:inverse", "pipeline:dni+ps", "pipeline:cdni+ps", "pipeline:spectrain+ps"),
 }
@@ -159,7 +163,6 @@ def base_config(model: str, setup: Setup, workers: int, seed: int) -> dict[str, 
         "model": MODELS[model],
         "data": {"dataset": "mnist5k", "n_train": 4000, "n_test": 1000, "batch_size": 32},
         "optimizer": {"name": "adagrad", "lr": 0.05},
-        "downpour": {"n_ps_shards": 2},
         "p2p": {"codec": "threshold", "tau": 0.002},
         "pipeline": {"sg_lr": 1e-4, "max_in_flight": 2},
         "stop": {"max_epochs": setup.max_epochs, "max_seconds": setup.max_seconds},

@@ -120,6 +120,19 @@ def test_data_files_are_checked_against_their_size(tmp_path: Path) -> None:
         parse_config(npz_keys)
 
 
+@pytest.mark.parametrize(("key", "value"), [("downpour.n_ps_shards", 2), ("downpour.codec", "onebit"),
+                                            ("downpour.staleness", "inverse"), ("downpour.ps_replicas", 2),
+                                            ("sync.local_steps", 4)])
+def test_downpour_over_the_shared_store_refuses_what_needs_ps_shards(key: str, value: Any) -> None:
+    shared = with_(with_(base(), "downpour.n_ps_shards", DELETE), "sync", {"kind": "shm"})
+    config = parse_config(shared)
+    assert config.sync_kind == "shm" and not config.sync_needs_ps
+    assert MODES["downpour"].processes(config) == (0, 2)  # no PS process
+    with pytest.raises(ConfigError, match="sync.kind 'shm'") as err:
+        parse_config(with_(shared, key, value))
+    assert err.value.key == key
+
+
 # ------------------------------------------------------------------ bad configs
 
 BAD: list[tuple[str, Any, str, str]] = [

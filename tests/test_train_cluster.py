@@ -111,6 +111,19 @@ def test_hogwild_workers_share_one_store_across_processes(tmp_path: Path) -> Non
     assert not list(Path("/dev/shm").glob("dniasync-hw-*"))  # the coordinator removed the shared store
 
 
+def test_downpour_over_the_shared_store_trains_with_no_ps_process(tmp_path: Path) -> None:
+    section = "[downpour]\nn_replicas = 2\nn_fetch = 2\nn_push = 2\n\n[sync]\nkind = \"shm\""
+    config, out = write_job(tmp_path, "dshm", mode_section=section)
+    proc = launch(config)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 PS shard(s), 2 replica(s)" in proc.stdout
+    doc = summary(out)
+    assert doc["final_accuracy"] >= 0.9
+    assert doc["bytes_pushed"] == 0 and doc["bytes_pulled"] == 0  # nothing went through a socket
+    assert len([e for e in doc["events"] if e["kind"] == "replica_joined"]) == 2
+    assert not list(Path("/dev/shm").glob("dniasync-dshm-*"))  # the coordinator removed the shared store
+
+
 def test_killed_replica_is_detected_and_its_shard_reassigned(tmp_path: Path) -> None:
     config, out = write_job(tmp_path, "kill", epochs=100_000, target=None)
     config.write_text(config.read_text().replace("max_seconds = 120", "max_seconds = 12"))

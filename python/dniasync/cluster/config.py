@@ -284,7 +284,9 @@ class SyncConfig(Section, frozen=True):
 
     kind: Annotated[SyncName, Meta(description=(
         "`local` (each trainer steps its own optimizer, nothing shared), `ps` (push gradients to and pull "
-        "parameters from PS shards), `shm` (one shared store on one machine, updated in place: Hogwild) or `p2p` "
+        "parameters from PS shards), `shm` (one shared store on one machine, stepped in place: Hogwild's workers "
+        "at every step; Downpour's replicas every n_push steps, from a copy fetched every n_fetch, with no PS "
+        "process) or `p2p` "
         "(no PS: peers send each other their quantized updates); default: the one the mode runs with its settings. "
         "A kind the mode does not take is an error naming those it does"))] | None = None
     local_steps: Annotated[int, Meta(ge=1, description=(

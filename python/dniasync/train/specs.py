@@ -212,13 +212,18 @@ class LocalSpec:
 @message("dniasync.train.SharedStoreSpec")
 @dataclass(frozen=True)
 class SharedStoreSpec:
-    """Hogwild: apply every step in place, without locks, to the job's shared-memory store ``name``.
+    """The job's shared-memory store ``name``, stepped in place without locks by every trainer on the machine.
 
-    ``sparse``: how the model's embedding tables are stepped (``auto``, ``always``, ``never``: only their touched
-    rows, :mod:`dniasync.train.sparse`)."""
+    ``n_fetch = n_push = 0`` (Hogwild): the model's parameters are views of the store and every step is applied
+    at once. ``n_fetch, n_push >= 1`` (Downpour with the store as its parameter server): the trainer computes on
+    its own copy, copied from the store every ``n_fetch`` steps, and applies its gradient summed over ``n_push``
+    steps. ``sparse``: how the model's embedding tables are stepped (``auto``, ``always``, ``never``: only their
+    touched rows, :mod:`dniasync.train.sparse`)."""
 
     name: str
     sparse: str = "auto"
+    n_fetch: int = 0
+    n_push: int = 0
 
 
 @message("dniasync.train.P2PSpec")

@@ -18,6 +18,12 @@ steps of lr/N on the N pushes move the weights exactly as one step of lr on
 their mean without momentum; with it, the steady-state step per round is the
 same (lr times the mean over 1 - momentum), the momentum decaying per push
 instead of per round.
+
+With ``[sync] kind = "shm"`` (every replica on one host) the parameter server
+is the machine's shared-memory store (:mod:`._shared_store`): each replica
+copies the weights from it every ``n_fetch`` steps and applies its gradient
+summed over ``n_push`` steps with the store's Rust optimizer. No PS process
+shares the cores and nothing goes through a socket.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from ..mode_api import Hoster, Snapshot
 from ..panels import PS_PANELS, Panel
 from ..plan import codec_spec
 from ._data_parallel import DataParallelJob, DataParallelMode, host_replica
+from ._shared_store import SharedStoreJob
 
 if TYPE_CHECKING:
     from torch import nn
@@ -175,6 +182,23 @@ class _DownpourJob(DataParallelJob):
         await record_ps_stats(report, self.runner.ps)
 
 
+_PS_ONLY = {"n_ps_shards": 1, "ps_replicas": 1, "codec": "none", "staleness": "none"}
+"""Downpour's keys that need PS shards, with the values that mean "not used"."""
+
+
+def _check_shared_store(config: Config, raw: Mapping[str, Any]) -> None:
+    """What Downpour over the machine's shared store cannot do: it has no PS shards, nothing travels."""
+    settings: DownpourConfig = config.settings
+    for key, unused in _PS_ONLY.items():
+        if getattr(settings, key) != unused:
+            raise ConfigError(f"'downpour.{key}' is {getattr(settings, key)!r}; with sync.kind 'shm' the replicas "
+                              "share one store in shared memory, without PS shards: leave it out or use "
+                              "sync.kind 'ps'", f"downpour.{key}")
+    if config.sync.local_steps > 1:
+        raise ConfigError(f"'sync.local_steps' is {config.sync.local_steps}; with sync.kind 'shm' use "
+                          "downpour.n_push and n_fetch (or sync.kind 'ps' for local steps)", "sync.local_steps")
+
+
 class _Downpour(DataParallelMode):
     name = "downpour"
     settings = DownpourConfig
@@ -187,9 +211,11 @@ class _Downpour(DataParallelMode):
         return settings.n_replicas
 
     def syncs(self, settings: DownpourConfig) -> tuple[str, ...]:
-        return ("ps",)
+        return ("ps", "shm")
 
     def check(self, config: Config, raw: Mapping[str, Any]) -> None:
+        if config.sync_kind == "shm":
+            _check_shared_store(config, raw)
         if config.sync.local_steps > 1:
             for key in ("n_push", "n_fetch"):
                 if getattr(config.settings, key) != 1:
@@ -206,6 +232,8 @@ class _Downpour(DataParallelMode):
                               "to split into contiguous shards", "downpour.n_ps_shards")
 
     def processes(self, config: Config) -> tuple[int, int]:
+        if config.sync_kind == "shm":
+            return 0, config.settings.n_replicas
         return config.settings.n_ps_shards * config.settings.ps_replicas, config.settings.n_replicas
 
     def summary_lines(self, config: Config, doc: Mapping[str, Any]) -> list[str]:
@@ -219,10 +247,15 @@ class _Downpour(DataParallelMode):
         return lines
 
     def panels(self, config: Config) -> tuple[Panel, ...]:
-        return PS_PANELS
+        return () if config.sync_kind == "shm" else PS_PANELS  # a shared store: no pushes or bytes to chart
 
-    def job(self, config: Config, runner: Runner) -> _DownpourJob:
-        if config.settings.ps_replicas > 1:
+    def job(self, config: Config, runner: Runner) -> _DownpourJob | SharedStoreJob:
+        settings: DownpourConfig = config.settings
+        if config.sync_kind == "shm":
+            job = SharedStoreJob(config, runner, sparse_mode(settings.sparse), settings.n_fetch, settings.n_push)
+            job.warm_start_steps = settings.warm_start_steps
+            return job
+        if settings.ps_replicas > 1:
             from ._replicated import ReplicatedDownpourJob
 
             return ReplicatedDownpourJob(config, runner)

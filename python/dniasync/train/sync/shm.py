@@ -1,10 +1,19 @@
-"""Hogwild!: every step applied in place, without locks, to one store every worker on the machine maps.
+"""One store every trainer on the machine maps, stepped in place without locks: Hogwild!, and Downpour on one host.
 
 The job creates a shared-memory ``ParamStore`` (segment :data:`HOGWILD_SEGMENT`,
 with the optimizer's state) and names it in a
-:class:`~dniasync.train.specs.SharedStoreSpec`; each worker attaches to it,
-its model's parameters become views of the store, and each step's gradient is
-applied by the store's Rust optimizer (Niu et al. 2011). Nothing travels.
+:class:`~dniasync.train.specs.SharedStoreSpec`; each trainer attaches to it and
+each gradient is applied by the store's Rust optimizer. Nothing travels.
+
+- Hogwild (Niu et al. 2011; ``n_fetch = n_push = 0``): the model's parameters
+  are views of the store, and every step is applied at once.
+- Downpour (Dean et al. 2012) with the store as its parameter server
+  (``n_fetch, n_push >= 1``, mode ``downpour`` with ``sync.kind = "shm"``): a
+  replica computes on its own copy of the weights, copied from the store every
+  ``n_fetch`` steps, and applies its gradient summed over ``n_push`` steps, as
+  it would push it to PS shards, without PS processes sharing the machine's
+  cores or a byte through a socket.
+
 An embedding table's step touches only the rows the gradient did (``sparse``,
 :mod:`dniasync.train.sparse`): the sparse updates Hogwild was designed for,
 where a dense step would write every row back, over other workers' updates.
@@ -28,17 +37,23 @@ HOGWILD_STEPS_PER_CALL = 8
 
 
 class SharedStoreSync:
-    """Applies each step's gradient to the shared store ``name`` in place (its optimizer, ``optimizer.lr``);
+    """Applies each step's gradient (Hogwild), or the gradient summed over ``n_push`` steps of a copy fetched
+    every ``n_fetch`` (Downpour), to the shared store ``name`` in place (its optimizer, ``optimizer.lr``);
     embedding tables only at the rows a step touched, as ``sparse`` says (:data:`~dniasync.train.sparse.SPARSE_MODES`).
     ``sparse_steps`` counts the steps that went over spans."""
 
     optimizer: torch.optim.Optimizer | None = None
     pulls_params = False
 
-    def __init__(self, model: nn.Module, name: str, optimizer: OptimizerSpec, sparse: str = "auto") -> None:
+    def __init__(self, model: nn.Module, name: str, optimizer: OptimizerSpec, sparse: str = "auto",
+                 n_fetch: int = 0, n_push: int = 0) -> None:
+        if (n_fetch == 0) != (n_push == 0) or n_fetch < 0 or n_push < 0:
+            raise ValueError(f"n_fetch and n_push are both 0 (Hogwild) or both >= 1, got {n_fetch} and {n_push}")
         n = sum(p.numel() for p in model.parameters())
         self.store = optimizer.attach(name, [(HOGWILD_SEGMENT, n)])
-        self.flat = FlatModel(model, self.store.view(HOGWILD_SEGMENT))
+        shared = self.store.view(HOGWILD_SEGMENT)
+        self.n_fetch, self.n_push = n_fetch, n_push
+        self.flat = FlatModel(model, shared if n_fetch == 0 else shared.copy())
         self.lr = optimizer.lr
         self.scale = 1.0
         self._params = list(model.parameters())
@@ -53,6 +68,17 @@ class SharedStoreSync:
 
     def step(self) -> None:
         self.flat.accumulate_grad()
+        self.steps += 1
+        if self.n_fetch == 0:
+            self._apply()
+            return
+        if self.steps % self.n_push == 0:
+            self._apply()
+        if self.steps % self.n_fetch == 0:
+            self.flat.flat.copy_(torch.from_numpy(self.store.view(HOGWILD_SEGMENT)))
+
+    def _apply(self) -> None:
+        """Step the store with the gradient accumulated since the last time, and clear it."""
         grad = self.flat.grad.numpy()
         keep = touched(grad, self.tables, self.sparse) if self.tables else None
         if keep is None:
@@ -60,7 +86,6 @@ class SharedStoreSync:
         else:
             self.store.step_spans(HOGWILD_SEGMENT, spans_of(keep), grad[keep], self.lr * self.scale)
             self.sparse_steps += 1
-        self.steps += 1
         self.flat.grad.zero_()
 
     def steps_per_call(self, steps: int) -> int:
@@ -79,7 +104,9 @@ class SharedStoreSync:
         return self.lr * self.scale
 
     async def flush(self) -> None:
-        return
+        """Apply what a Downpour replica has summed since its last push."""
+        if self.n_push and self.steps % self.n_push:
+            self._apply()
 
     def relinked(self, layers: nn.Module) -> SharedStoreSync:
         raise RuntimeError("a Hogwild store holds the whole model: its layers cannot be regrouped")
@@ -99,8 +126,9 @@ class SharedStoreSync:
 
 
 def _build(spec: SharedStoreSpec, model: nn.Module, ctx: SyncContext) -> SharedStoreSync:
-    return SharedStoreSync(model, spec.name, ctx.optimizer, spec.sparse)
+    return SharedStoreSync(model, spec.name, ctx.optimizer, spec.sparse, spec.n_fetch, spec.n_push)
 
 
 register(SyncKind("shm", SharedStoreSpec, _build, needs_ps=False, owns_optimizer=False,
-                  doc="Hogwild: every step applied in place, without locks, to the machine's shared-memory store"))
+                  doc="the machine's shared-memory store, stepped in place without locks: every step at once "
+                      "(Hogwild), or every n_push steps from a copy fetched every n_fetch (Downpour on one host)"))
