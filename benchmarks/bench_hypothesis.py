@@ -371,13 +371,14 @@ def where_time_goes(cell: dict[str, Any], target: float = 0.92) -> dict[str, dic
     return out
 
 
-def expected_wall_s(setup: Setup) -> tuple[int, float]:
-    """(runs, seconds): every run's start-up plus its stop rule's time budget, two thirds of it on average
-    (runs stop at their epochs or seconds; the faster methods finish their epochs early)."""
+def expected_wall_s(setup: Setup, only: set[str] | frozenset[str] = frozenset()) -> tuple[int, float]:
+    """(runs, seconds) of the cells in ``only`` (empty: all): every run's start-up plus its stop rule's time
+    budget, two thirds of it on average (runs stop at their epochs or seconds; faster methods finish early)."""
     runs = 0
-    for _ in setup.models:
-        for labels in setup.cells.values():
-            runs += sum(len(grid_of(VARIANTS[label], setup)) + setup.seeds - 1 for label in labels)
+    for model in setup.models:
+        for workers, labels in setup.cells.items():
+            if not only or f"{model}_{workers}w" in only:
+                runs += sum(len(grid_of(VARIANTS[label], setup)) + setup.seeds - 1 for label in labels)
     return runs, runs * (START_UP_S + setup.max_seconds * 2 / 3)
 
 
@@ -447,15 +448,16 @@ def main() -> None:
                    "(runs/bench_hypothesis/<cell>/cell.json) instead of running it again")
     args = p.parse_args()
     setup = QUICK if args.quick else FULL
-    runs, expected = expected_wall_s(setup)
+    only = {c for c in args.cells.split(",") if c}
+    runs, expected = expected_wall_s(setup, only)
     full_runs, full_expected = expected_wall_s(FULL)
-    _common.say(f"{'quick' if args.quick else 'full'} run: {runs} runs, expected wall time ~{expected / 60:.0f} min "
+    which = f"{'quick' if args.quick else 'full'} run" + (f" of {', '.join(sorted(only))}" if only else "")
+    _common.say(f"{which}: {runs} runs, expected wall time ~{expected / 60:.0f} min "
                 f"(at most {runs * (START_UP_S + setup.max_seconds) / 60:.0f} min); the full run: {full_runs} runs, "
                 f"~{full_expected / 60:.0f} min (at most {full_runs * (START_UP_S + FULL.max_seconds) / 60:.0f} min)")
     started = time.monotonic()
     seed0 = 0
     cells: dict[str, dict[str, Any]] = {}
-    only = {c for c in args.cells.split(",") if c}
     unknown = only - {f"{m}_{w}w" for m in setup.models for w in setup.cells}
     if unknown:
         p.error(f"unknown cell(s) {', '.join(sorted(unknown))}: the cells are "

@@ -34,6 +34,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
 
 ALREADY_RUN = {
     "dni_p2p_mnist.toml": "tests/test_dni_cluster.py runs it for 8 epochs",
+    "downpour_shm_mnist.toml": "tests/test_train_cluster.py runs it as shipped",
     "text_reviews_fasttext.toml": "tests/test_text.py runs its job as shipped, on a data set of each tokenizer",
 }
 """Examples another test already runs through the launcher: parsed here, not run twice."""

@@ -286,8 +286,8 @@ def test_every_example_job_has_an_sbatch_script_asking_for_its_ranks() -> None:
         assert f"#SBATCH --ntasks={1 + n_ps + n_workers}\n" in text, script.name
         assert f'config="${{1:-examples/{toml.name}}}"' in text, script.name
         assert "srun --label python -m dniasync.node --role auto --config \"$config\"" in text, script.name
-        if config.mode == "hogwild":
-            assert "#SBATCH --nodes=1\n" in text, f"{script.name}: Hogwild's workers share memory on one node"
+        if config.sync_kind == "shm":
+            assert "#SBATCH --nodes=1\n" in text, f"{script.name}: its trainers share one store in memory on one node"
     for script in SBATCH_DIR.glob("*.sbatch"):
         assert (ROOT / "examples" / f"{script.stem}.toml").exists(), f"{script.name} has no example job"
 

@@ -23,6 +23,8 @@ from dniasync.cluster.protocol import COORDINATOR_NAME, JobStatus
 from dniasync.train.messages import Push, ShardStats
 from dniasync.train.ps import PSShard
 
+ROOT = Path(__file__).resolve().parent.parent
+
 DIGITS = """
 [job]
 name = "{name}"
@@ -112,16 +114,19 @@ def test_hogwild_workers_share_one_store_across_processes(tmp_path: Path) -> Non
 
 
 def test_downpour_over_the_shared_store_trains_with_no_ps_process(tmp_path: Path) -> None:
-    section = "[downpour]\nn_replicas = 2\nn_fetch = 2\nn_push = 2\n\n[sync]\nkind = \"shm\""
-    config, out = write_job(tmp_path, "dshm", mode_section=section)
+    """examples/downpour_shm_mnist.toml as shipped (its output moved): measured 92.7-93.7% in 0.6-0.7 s."""
+    out = tmp_path / "out"
+    config = tmp_path / "downpour_shm_mnist.toml"
+    config.write_text((ROOT / "examples" / "downpour_shm_mnist.toml").read_text()
+                      .replace('output_dir = "runs/downpour_shm_mnist"', f'output_dir = "{out}"'))
     proc = launch(config)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 PS shard(s), 2 replica(s)" in proc.stdout
     doc = summary(out)
-    assert doc["final_accuracy"] >= 0.9
+    assert doc["final_accuracy"] >= 0.9, doc["history"]
     assert doc["bytes_pushed"] == 0 and doc["bytes_pulled"] == 0  # nothing went through a socket
     assert len([e for e in doc["events"] if e["kind"] == "replica_joined"]) == 2
-    assert not list(Path("/dev/shm").glob("dniasync-dshm-*"))  # the coordinator removed the shared store
+    assert not list(Path("/dev/shm").glob("dniasync-downpour_shm_mnist-*"))  # the coordinator removed the store
 
 
 def test_killed_replica_is_detected_and_its_shard_reassigned(tmp_path: Path) -> None:
