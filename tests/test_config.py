@@ -272,7 +272,7 @@ def test_sync_keys_are_checked_and_round_trip() -> None:
     assert config.to_dict()["sync"] == {"kind": "ps", "local_steps": 4, "outer_momentum": 0.5}
     assert parse_config(config.to_dict()) == config
     for dotted, value, message in [
-        ("sync.kind", "shm", "'sync.kind' is 'shm'; mode 'downpour', as configured, runs with 'ps'"),
+        ("sync.kind", "p2p", "'sync.kind' is 'p2p'; mode 'downpour', as configured, runs with 'ps' or 'shm'"),
         ("sync.kind", "gossip", "'sync.kind' is 'gossip'; choose one of 'local', 'ps', 'shm', 'p2p'"),
         ("sync.local_steps", 0, "'sync.local_steps' must be at least 1, got 0"),
         ("sync.outer_momentum", 1.0, "'sync.outer_momentum' must be < 1.0"),

@@ -97,7 +97,10 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
         "decay": write_job(tmp, "decay", epochs=4, seconds=seconds,
                            extra='lr_decay = "linear"\nlr_decay_start = 0.25\nlr_decay_final = 0.1\n')[0],
         "dnidp": write_job(tmp, "dnidp", epochs=6, seconds=seconds, extra="replicas = 2\n")[0],
+        "stdp": write_job(tmp, "stdp", epochs=6, seconds=seconds, extra="replicas = 2\n")[0],
     }
+    configs["stdp"].write_text(configs["stdp"].read_text().replace('method = "cdni"', 'method = "spectrain"')
+                               .replace('name = "adam"\nlr = 1e-3', 'name = "momentum"\nlr = 0.01\nmomentum = 0.9'))
     done = launch_two_at_a_time(configs)
     return {name: (done[name], tmp / name) for name in configs}
 
@@ -228,14 +231,10 @@ def test_bad_dni_configs_fail_at_start_naming_the_problem(
     assert not (out / "logs").exists()  # nothing was started
 
 
-def test_spectrain_times_downpour_predicts_each_stage_from_its_weights_velocity(tmp_path: Path) -> None:
+def test_spectrain_times_downpour_predicts_each_stage_from_its_weights_velocity(jobs: Jobs) -> None:
     """SpecTrain with PS shards (2 stages x 2 replicas, the shards run SGD with momentum): the stages step no optimizer,
     so they predict from the velocity the pulls show; measured 91-94% held-out on seeds 0, 2, 3, 4 (async 93%)."""
-    config, out = write_job(tmp_path, "stdp", epochs=6, extra="replicas = 2\n")
-    config.write_text(config.read_text().replace('method = "cdni"', 'method = "spectrain"')
-                      .replace('name = "adam"\nlr = 1e-3', 'name = "momentum"\nlr = 0.01\nmomentum = 0.9'))
-    proc = launch(config)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc, out = finished(jobs, "stdp")
     doc = summary(out)
     assert doc["stop_reason"] == "trained 6 epochs"
     assert doc["final_accuracy"] >= 0.85, doc["history"]
