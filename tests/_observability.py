@@ -163,6 +163,15 @@ class LocalCluster:
         self.log.seek(0)
         return self.log.read()
 
+    def state(self, tail: int = 40) -> str:
+        """Whether the launcher still runs, its output, and the last lines of each node's log: what a test that
+        finds a node gone prints, so the failure names the node and why it went."""
+        status = "running" if self.proc.poll() is None else f"exited {self.proc.returncode}"
+        text = f"== {self.out.name}: launcher {status}\n{self.output()[-3000:]}"
+        for log in sorted((self.out / "logs").glob("*.log")):
+            text += f"\n-- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-tail:])
+        return text
+
     def wait_targets(self, n: int, timeout: float = 60) -> list[str]:
         """The addresses in the launcher's targets file, once it lists ``n`` nodes."""
         deadline = time.monotonic() + timeout
@@ -210,6 +219,11 @@ class DNINode:
             self.log.seek(0)
             raise AssertionError(f"the DNI node did not start: {line!r}\n{self.log.read()}")
         self.address = match.group(1)
+
+    def state(self) -> str:
+        status = "running" if self.proc.poll() is None else f"exited {self.proc.returncode}"
+        self.log.seek(0)
+        return f"== DNI node {self.address}: {status}\n{self.log.read()[-3000:]}"
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -15,7 +15,9 @@ import json
 import re
 import subprocess
 import time
-from collections.abc import Iterator
+import urllib.error
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -79,8 +81,16 @@ def variable_queries() -> list[tuple[str, str, str]]:
     return out
 
 
+@dataclass
+class Scraped:
+    prometheus: Prometheus
+    nodes: list[str]
+    state: Callable[[], str]
+    """Each job's launcher and node logs and the DNI node's: printed by a failure, naming the node that went."""
+
+
 @pytest.fixture(scope="module")
-def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus, list[str]]]:
+def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
     need("prometheus", "prometheus")
     tmp = tmp_path_factory.mktemp("prometheus")
     # the jobs outlast every test of the module however slow the machine (the teardown stops them): a job that
@@ -105,7 +115,8 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Promethe
             assert time.monotonic() < deadline, (f"not every node is up: {up} (want {nodes})\n{cluster.output()}\n"
                                                  f"{sandblaster.output()}\n{p2p.output()}")
             time.sleep(0.5)
-        yield prometheus, nodes
+        yield Scraped(prometheus, nodes, lambda: "\n".join(
+            [c.state() for c in (cluster, sandblaster, p2p)] + [dni.state() if dni else ""]))
     finally:
         if prometheus is not None:
             prometheus.stop()
@@ -135,8 +146,8 @@ def test_dashboards_have_datasource_job_and_instance_variables() -> None:
     assert (DASHBOARDS / "dniasync-overview.json").exists() and (DASHBOARDS / "dniasync-model-parallel.json").exists()
 
 
-def test_every_panel_query_returns_data(scraped: tuple[Prometheus, list[str]]) -> None:
-    prometheus, nodes = scraped
+def test_every_panel_query_returns_data(scraped: Scraped) -> None:
+    prometheus, nodes = scraped.prometheus, scraped.nodes
     queries = panel_queries() + variable_queries()
     assert len(queries) >= 40
     pending = {(board, title, substitute(expr)) for board, title, expr in queries}
@@ -150,7 +161,8 @@ def test_every_panel_query_returns_data(scraped: tuple[Prometheus, list[str]]) -
         pending -= results.keys()
         if pending:
             time.sleep(1.0)
-    assert not pending, "queries that returned no data:\n" + "\n".join(f"{b} / {t}: {e}" for b, t, e in sorted(pending))
+    assert not pending, ("queries that returned no data:\n" + "\n".join(f"{b} / {t}: {e}" for b, t, e in sorted(pending))
+                         + f"\nup: {prometheus.query('up')}\n{scraped.state()}")
     # the template variables list every node, and the DNI stages by name
     # (polled: its first answer may come before the last node to start exports the metric it lists)
     expr = next(e for (b, t, e) in results if t == "instance" and b == "dniasync-overview.json")
@@ -160,20 +172,22 @@ def test_every_panel_query_returns_data(scraped: tuple[Prometheus, list[str]]) -
         if listed >= set(nodes):
             break
         time.sleep(1.0)
-    assert listed == set(nodes)
+    assert listed == set(nodes), f"listed {sorted(listed)}, want {sorted(nodes)}\n{scraped.state()}"
     stages = next(r for (_, t, _), r in results.items() if t == "stage")
     assert {r["metric"]["stage"] for r in stages} == {"stage-0", "stage-1", "stage-2"}
     roles = next(r for (_, t, _), r in results.items() if t == "Members up by role")
     assert {r["metric"]["role"]: float(r["value"][1]) for r in roles} == {
-        "coordinator": 3, "ps": 4, "worker": 6, "dni": 1}
+        "coordinator": 3, "ps": 4, "worker": 6, "dni": 1}, scraped.state()
     print(f"{len(results)} dashboard queries returned data")
 
 
-def test_promtool_accepts_every_nodes_metrics(scraped: tuple[Prometheus, list[str]]) -> None:
+def test_promtool_accepts_every_nodes_metrics(scraped: Scraped) -> None:
     promtool = need("promtool", "prometheus")
-    _, nodes = scraped
-    for node in nodes:
-        text = fetch(f"http://{node}/metrics")
+    for node in scraped.nodes:
+        try:
+            text = fetch(f"http://{node}/metrics")
+        except urllib.error.URLError as e:
+            raise AssertionError(f"node {node} does not answer: {e}\n{scraped.state()}") from e
         assert "dniasync_build_info{" in text
         done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
         assert done.returncode == 0, (node, done.stdout + done.stderr)

@@ -24,6 +24,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -31,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, BinaryIO, Protocol
 
 from ..actors import ActorError, ActorSystem
 from ..chaos import PROXY_ENV, ChaosControl
@@ -86,7 +87,12 @@ class _Restarts:
 
 
 class ChildExited(RuntimeError):
-    """A child process ended before it said where it listens."""
+    """A child process ended before it said where it listens: ``code``, its exit status, and ``lines``, what it
+    printed (kept out of its log file when it refused its arguments, exit 2, so a typo overwrites nothing)."""
+
+    def __init__(self, message: str, code: int | None, lines: list[str]) -> None:
+        super().__init__(message)
+        self.code, self.lines = code, lines
 
 
 @dataclass
@@ -174,9 +180,7 @@ def _free_address() -> str:
 
 
 async def _spawn(cluster: _Cluster, role: str, index: int, args: list[str], log: Path | None = None) -> _Child:
-    logs = cluster.out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    log = log or logs / f"{role}{index}.log"
+    log = log or cluster.out / "logs" / f"{role}{index}.log"  # made by _pump
     placement = cluster.placement
     if placement is not None:
         args = [*placement.args(role, index), *args]
@@ -191,19 +195,44 @@ async def _spawn(cluster: _Cluster, role: str, index: int, args: list[str], log:
     return child
 
 
-async def _pump(child: _Child, listening: asyncio.Future[str] | None) -> None:
-    """Copy a child's output to its log file; resolve ``listening`` with its address."""
+async def _pump(child: _Child, listening: asyncio.Future[str] | None, *, hold: bool = False) -> None:
+    """Copy a child's output to its log file; resolve ``listening`` with its address.
+
+    ``hold``: keep the output until the child listens, so one that exits 2 first (the coordinator refusing its
+    job config) writes no log file over an earlier run's; the launcher shows what it said."""
     assert child.proc.stdout is not None
-    with child.log.open("wb") as fh:
+    held: list[bytes] = []  # until it listens: what the launcher shows if it exits first
+    fh = None if hold else _open_log(child.log)
+    try:
         async for line in child.proc.stdout:
-            fh.write(line)
-            fh.flush()
+            if listening is not None and not listening.done():
+                held.append(line)
+            if fh is not None:
+                fh.write(line)
+                fh.flush()
             if listening is not None and not listening.done():
                 match = _LISTENING.search(line.decode(errors="replace"))
                 if match:
+                    if fh is None:
+                        fh = _open_log(child.log)
+                        fh.writelines(held)
+                        fh.flush()
                     listening.set_result(match.group(1))
-    if listening is not None and not listening.done():
-        listening.set_exception(ChildExited(f"{child.role} exited before listening; see {child.log}"))
+        if listening is not None and not listening.done():
+            code = await child.proc.wait() if hold else child.proc.returncode
+            if fh is None and code != 2:
+                fh = _open_log(child.log)
+                fh.writelines(held)
+            lines = b"".join(held).decode(errors="replace").splitlines()
+            listening.set_exception(ChildExited(f"{child.role} exited ({code}) before listening", code, lines))
+    finally:
+        if fh is not None:
+            fh.close()
+
+
+def _open_log(path: Path) -> BinaryIO:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.open("wb")
 
 
 def _bar(status: JobStatusReply, width: int = 24, dilation: float = 1.0) -> str:
@@ -336,6 +365,7 @@ class _Supervisor:
 async def _run(config_path: str, config: Config, out: IO[str], resume: bool, placement: Placement | None) -> int:
     cluster = _Cluster(Path(config.output_dir), placement=placement)
     dilation = 1.0 if placement is None else placement.dilation
+    made_out, refused = not cluster.out.exists(), False
     cluster.out.mkdir(parents=True, exist_ok=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -351,18 +381,21 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool, pla
         coordinator = await _spawn(cluster, "coordinator", 0, ["--config", config_path, *listen,
                                                                *(["--resume"] if resume else [])])
         listening: asyncio.Future[str] = loop.create_future()
-        pumps.append(asyncio.create_task(_pump(coordinator, listening)))
+        pumps.append(asyncio.create_task(_pump(coordinator, listening, hold=True)))
         try:
             coordinator.address = await asyncio.wait_for(listening, STARTUP_TIMEOUT_S)
-        except ChildExited:  # its own error (a --resume with no checkpoint, a bad address) is the one to show
-            code = await asyncio.wait_for(coordinator.proc.wait(), STARTUP_TIMEOUT_S)
-            lines = [line for line in coordinator.log.read_text(errors="replace").splitlines() if line.strip()]
-            said = [line for line in lines if line.startswith("error:")]
+        except ChildExited as exited:  # its own error (a --resume with no checkpoint, a bad key) is the one to show
+            code, lines = exited.code, [line for line in exited.lines if line.strip()]
+            # its own "error: ..." lines, or the command line's (a job config it refuses, naming the key)
+            said = [line.removeprefix(USAGE_PREFIX) for line in lines if line.startswith(("error:", USAGE_PREFIX))]
             last = f": {lines[-1].strip()}" if lines else ""  # a traceback's last line names the exception
             print("\n".join(said[-3:]) or f"error: the coordinator exited ({code}) before it listened{last}",
                   file=sys.stderr)
+            if code == 2:  # a refused config leaves nothing behind, nor overwrites an earlier run's files
+                refused = True
+                return 2
             print(f"  see {coordinator.log}", file=sys.stderr)
-            return 2 if code == 2 else 1
+            return 1
 
         mode = get_mode(config.mode)
         n_ps, n_workers = mode.processes(config)
@@ -433,7 +466,8 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool, pla
     finally:
         if cluster.state not in ("finished", "failed"):
             cluster.state = "stopped"
-        cluster.write_files(config.job.name)
+        if not refused:
+            cluster.write_files(config.job.name)
         await cluster.stop()
         if cluster.chaos is not None:
             await cluster.chaos.close()
@@ -442,6 +476,13 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool, pla
         await asyncio.gather(*pumps, return_exceptions=True)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        if refused and made_out:
+            shutil.rmtree(cluster.out, ignore_errors=True)
+
+
+PROG = "python -m dniasync.node"
+"""The node's command line: how its usage errors (exit 2) start, ``PROG: error: ...``."""
+USAGE_PREFIX = f"{PROG}: "
 
 
 def run_local(config_path: str, out: IO[str] = sys.stdout, *, resume: bool = False,
@@ -451,7 +492,9 @@ def run_local(config_path: str, out: IO[str] = sys.stdout, *, resume: bool = Fal
     from ..runtime import run
 
     try:
-        config = load_config(config_path)
+        # the rules against the model and the data (which import torch: 2 s of start-up) are checked by the
+        # coordinator as it starts; its error, naming the key, is the launcher's (see _run)
+        config = load_config(config_path, resolve=False)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

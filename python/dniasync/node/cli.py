@@ -29,7 +29,7 @@ from ._membership import COORDINATOR, Join, Leave, join_cluster
 from . import _training  # noqa: F401  (registers the training side of the roles)
 from ._launchers import AutoStart, LauncherError, follow_job, resolve_auto
 from ._live import LivePage
-from ._local import run_local
+from ._local import PROG, run_local
 from ._metrics import mount_metrics
 from ._roles import NEEDS_JOIN, NODE_INFO, ROLES, NodeContext, NodeInfo, load_actor_class
 
@@ -91,7 +91,7 @@ class _UsageError(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m dniasync.node",
+        prog=PROG,
         description=_DESCRIPTION,
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
