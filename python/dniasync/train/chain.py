@@ -22,7 +22,12 @@ from ..actors import ActorRef, message
 from .messages import Push, ShardSnapshot
 from .specs import ShardSpec
 
-__all__ = ["ChainAck", "ChainPush", "ChainView", "CopySpec", "CopyState", "GetChainView"]
+__all__ = ["ChainAck", "ChainPush", "ChainView", "CopySpec", "CopyState", "GetChainView", "pusher"]
+
+
+def pusher(replica: str, incarnation: int) -> str:
+    """The key under which a copy counts the pushes of one incarnation of a replica (``applied_by``)."""
+    return f"{replica}#{incarnation}"
 
 
 @message("dniasync.train.chain.CopySpec")
@@ -89,8 +94,10 @@ class ChainAck:
 @dataclass(frozen=True)
 class CopyState:
     """Everything a joining copy needs to continue where its predecessor stands: parameters, optimizer state,
-    version, push ledger, fenced replicas, and the verdict of each replica's last push (``[incarnation, seq,
-    verdict]``: a push sent again is answered as the first time)."""
+    version, push ledger, fenced replicas, the verdict of each replica's last push (``[incarnation, seq,
+    verdict]``: a push sent again is answered as the first time), and how many pushes of each incarnation of
+    each replica its state holds (``applied_by``, keyed by :func:`pusher`)."""
 
     snapshot: ShardSnapshot
     verdicts: dict[str, list[Any]]
+    applied_by: dict[str, int]

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..actors import ActorError, ActorRef, handler
-from .chain import ChainAck, ChainPush, ChainView, CopySpec, CopyState, GetChainView
+from .chain import ChainAck, ChainPush, ChainView, CopySpec, CopyState, GetChainView, pusher
 from .messages import Fence, Params, ParamsDelta, Pull, PullDelta, Push, ShardStats, SnapshotShard
 from .ps import SEGMENT, PSShard
 from .staleness import PushLedger
@@ -70,6 +70,9 @@ class ChainShard(PSShard):
         """Pushes this copy answered ``ok`` as the head."""
         self.divergent = 0
         self.transfers = 0
+        self.applied_by: dict[str, int] = {}
+        """:func:`pusher` -> pushes of that incarnation of that replica in this copy's state (a joining copy takes
+        its predecessor's): set against what the replicas saw acknowledged, what a failure lost."""
         self._owes_state = ""
         """The address of a joining successor that has not taken this copy's state yet."""
 
@@ -126,7 +129,8 @@ class ChainShard(PSShard):
     async def _send_state(self, after: ActorRef) -> bool:
         """Send the joining successor this copy's state (again at the next forward if it does not take it)."""
         state = CopyState(self.snapshot(SnapshotShard()),
-                          {r: [inc, seq, verdict] for r, (inc, seq, verdict) in self._verdicts.items()})
+                          {r: [inc, seq, verdict] for r, (inc, seq, verdict) in self._verdicts.items()},
+                          dict(self.applied_by))
         try:
             await after.ask(state, timeout=STATE_TIMEOUT_S)
         except ActorError as exc:
@@ -151,6 +155,7 @@ class ChainShard(PSShard):
         self.ledger = PushLedger.restore(snap.ledger)
         self.fenced = set(snap.fenced)
         self._verdicts = {r: (int(v[0]), int(v[1]), str(v[2])) for r, v in msg.verdicts.items()}
+        self.applied_by = {key: int(n) for key, n in msg.applied_by.items()}
         self.followers.clear()
         self.catching_up = False
         log.info("shard %d copy %d: took its predecessor's state at version %d", self.shard, self.copy, self.version)
@@ -166,6 +171,8 @@ class ChainShard(PSShard):
         PSShard.push(self, push)
         if self.applied > applied:
             verdict = "applied"
+            key = pusher(push.replica, push.incarnation)
+            self.applied_by[key] = self.applied_by.get(key, 0) + 1
         else:
             verdict = next((k for k, n in self.rejected.items() if n > rejected.get(k, 0)), "rejected")
         if verdict not in ("duplicate", "zombie"):  # the ledger took it: remember what it became
@@ -253,4 +260,4 @@ class ChainShard(PSShard):
     def stats(self, msg: ShardStats) -> dict[str, Any]:
         return {**super().stats(msg), "copy": self.copy, "view": self.view.number if self.view else 0,
                 "forwarded": self.forwarded, "acknowledged": self.acknowledged, "divergent": self.divergent,
-                "transfers": self.transfers, "catching_up": int(self.catching_up)}
+                "transfers": self.transfers, "catching_up": int(self.catching_up), "applied_by": dict(self.applied_by)}

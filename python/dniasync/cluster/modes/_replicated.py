@@ -7,7 +7,12 @@ shard through its chain, :mod:`dniasync.train.sync.chain`), and the summary
 gets each copy's counters (``ps<k>_copy<j>_*``) and ``ps_acknowledged_pushes``:
 the pushes the replicas saw acknowledged (with R > 1 a replica's ``pushes``
 counts a push once every shard acknowledged it; its last count is asked for
-when training stops), to set against what each copy applied.
+when training stops), to set against what each copy applied, and
+``ps_acknowledged_pushes_kept``: of those, the pushes every live copy of
+every shard holds at the end (per incarnation of each replica, the fewer of
+what it saw acknowledged and what each copy's state holds of it: a replica
+sends its pushes one at a time, in order, so a copy holds a prefix of them).
+Equal to ``ps_acknowledged_pushes`` when nothing was lost.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ...actors import ActorError
+from ...train.chain import pusher
 from ...train.messages import Progress, ShardStats, StopTraining
 from ...train.specs import PSLinkSpec, ShardSpec
 from ..chains import ChainKeeper
@@ -73,9 +79,11 @@ class ReplicatedDownpourJob(_DownpourJob):
         if self.keeper is None:
             return
         report.set_metric("ps_chain_changes", self.keeper.changes)
+        kept: dict[tuple[str, int], int] | None = dict(self.acknowledged)
         for k, row in enumerate(self.keeper.copies):
             view = self.keeper.views[k]
             chain = {ref.address for ref in view.chain} if view is not None else set()
+            holders = 0
             for j, ref in enumerate(row):
                 if ref is None:
                     continue
@@ -88,3 +96,12 @@ class ReplicatedDownpourJob(_DownpourJob):
                     continue
                 for key in ("applied", "version", "forwarded", "acknowledged", "divergent", "transfers"):
                     report.set_metric(f"{prefix}_{key}", int(stats[key]))
+                if kept is not None and ref.address in chain and not stats["catching_up"]:
+                    holders += 1
+                    applied_by = stats["applied_by"]
+                    for who, n in kept.items():
+                        kept[who] = min(n, int(applied_by.get(pusher(*who), 0)))
+            if not holders:
+                kept = None  # no live copy of this shard answered: what it kept is unknown
+        if kept is not None:
+            report.set_metric("ps_acknowledged_pushes_kept", sum(kept.values()))
