@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from dniasync.chaos import PROXY_ENV, ChaosControl, FaultProxy
-from dniasync.chaos._tool import FAULTS, control
+from dniasync.chaos._tool import DEFAULT_FAULTS, control
 
 JOB = """
 [job]
@@ -125,7 +125,7 @@ def test_a_downpour_job_survives_every_fault_the_chaos_tool_injects(tmp_path: Pa
         [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, PROXY_ENV: "1"},
     )
-    faults = [f for f in FAULTS if f != "delay"]
+    faults = [f for f in DEFAULT_FAULTS if f != "delay"]
     try:
         chaos = subprocess.run(
             [sys.executable, "-m", "dniasync.chaos", "--job-dir", str(out), "--faults", ",".join(faults),
@@ -179,14 +179,23 @@ def test_a_run_whose_job_ends_before_a_fault_settles_says_its_soak_checked_nothi
     config.write_text(JOB.format(out=out).replace("max_seconds = 1800", "max_seconds = 12"))
     launcher = subprocess.Popen([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+    # meanwhile, against the same job (no replicated PS shards): kill_ps_copy is refused, naming what it needs
+    refused = subprocess.Popen([sys.executable, "-m", "dniasync.chaos", "--job-dir", str(out), "--faults",
+                                "kill_ps_copy", "--count", "1", "--first", "0", "--wait", "300"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         chaos = subprocess.run(
             [sys.executable, "-m", "dniasync.chaos", "--job-dir", str(out), "--faults", "kill_replica", "--count", "1",
              "--first", "1", "--settle-s", "3600", "--wait", "300", "--report", str(tmp_path / "chaos.json")],
             capture_output=True, text=True, timeout=600,
         )
+        _, refusal = refused.communicate(timeout=300)
     finally:
         launcher.wait(timeout=300)
+        if refused.poll() is None:
+            refused.kill()
+    assert refused.returncode == 2, refusal
+    assert "kill_ps_copy needs replicated PS shards" in refusal and "ps_replicas" in refusal, refusal
     assert chaos.returncode == 0, chaos.stderr
     report = json.loads((tmp_path / "chaos.json").read_text())
     assert [f["kind"] for f in report["faults"]] == ["kill_replica"]

@@ -213,3 +213,39 @@ def test_a_killed_head_copy_loses_no_acknowledged_push_and_the_job_reaches_its_t
         assert metrics["ps0_copy0_version"] == metrics["ps0_copy1_version"]
         assert metrics["ps0_copy0_applied"] + metrics["ps0_copy1_transfers"] > 0
         assert metrics["ps0_copy0_divergent"] == 0
+
+
+def test_the_chaos_tools_kill_ps_copy_loses_no_acknowledged_push(tmp_path: Path) -> None:
+    """``python -m dniasync.chaos --faults kill_ps_copy`` against a real job: the copy it names dies, the job
+    finishes, and every push a replica saw acknowledged is in the copies that hold the shard at the end."""
+    out = tmp_path / "chaos"
+    config = tmp_path / "chaos.toml"
+    config.write_text(JOB.format(name="chaos", out=out, epochs=12))  # ~4 s of training: the kill lands in it
+    launcher = subprocess.Popen([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        chaos = subprocess.run(
+            [sys.executable, "-m", "dniasync.chaos", "--job-dir", str(out), "--faults", "kill_ps_copy", "--count", "1",
+             "--first", "1", "--settle-s", "1", "--seed", "3", "--wait", "120", "--report", str(tmp_path / "chaos.json")],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert launcher.poll() is None, "the job ended before the copy was killed: give it more epochs"
+        stdout, stderr = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert chaos.returncode == 0, chaos.stderr
+    assert launcher.returncode == 0, stdout + stderr
+    [fault] = json.loads((tmp_path / "chaos.json").read_text())["faults"]
+    assert fault["kind"] == "kill_ps_copy" and fault["shard"] == 0 and fault["copy"] in (0, 1), fault
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["stop_reason"] == "trained 12 epochs"
+    down = [e for e in doc["events"] if e["kind"] == "ps_copy_down"]
+    assert [e["shard"] for e in down] == [0], doc["events"]
+    assert down[0]["address"].endswith("@" + fault["address"]), (down, fault)
+    metrics = doc["metrics"]
+    assert metrics["ps_acknowledged_pushes"] > 0
+    assert metrics["ps_acknowledged_pushes_kept"] == metrics["ps_acknowledged_pushes"], metrics
+    survivor = 1 - fault["copy"]
+    assert metrics[f"ps0_copy{survivor}_in_chain"] == 1 and metrics[f"ps0_copy{survivor}_divergent"] == 0

@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Final
 
-__all__ = ["FAULTS", "Chaos", "main", "process_resources"]
+__all__ = ["DEFAULT_FAULTS", "FAULTS", "Chaos", "main", "process_resources"]
 
-FAULTS: Final = ("kill_ps", "kill_replica", "freeze", "reset", "blackhole", "delay")
-"""Every fault the tool injects; ``reset``, ``blackhole`` and ``delay`` need the launcher's proxies."""
+FAULTS: Final = ("kill_ps", "kill_replica", "freeze", "reset", "blackhole", "delay", "kill_ps_copy")
+"""Every fault the tool injects; ``reset``, ``blackhole`` and ``delay`` need the launcher's proxies,
+``kill_ps_copy`` a job with replicated PS shards (``[downpour] ps_replicas >= 2``)."""
+DEFAULT_FAULTS: Final = FAULTS[:-1]
+"""What ``--faults`` defaults to: every fault any Downpour job takes."""
 LINK_FAULTS: Final = ("reset", "blackhole", "delay")
 RUNNING: Final = ("starting", "waiting", "training")
 _TASKS = re.compile(r"^dniasync_node_asyncio_tasks (\S+)$", re.M)
@@ -50,7 +53,7 @@ class Chaos:
     """One chaos run against the job whose launcher writes ``job_dir/cluster.json``."""
 
     job_dir: Path
-    faults: Sequence[str] = FAULTS
+    faults: Sequence[str] = DEFAULT_FAULTS
     seed: int = 0
     first_s: float = 20.0
     every_s: float = 20.0
@@ -117,10 +120,42 @@ class Chaos:
                 out[str(pid)] = {"role": role, "slot": slot, **found}
         return out
 
+    def ps_copies(self) -> dict[str, tuple[int, int]]:
+        """Address -> (shard, copy) of every copy of a replicated PS shard, as the coordinator placed them (empty:
+        the job has no replicated shard)."""
+        from ..cluster.chains import copies_placed
+
+        logs = [c["log"] for c in self.cluster().get("children", []) if c["role"] == "coordinator" and c.get("log")]
+        try:
+            return {a: where for path in logs for a, where in copies_placed(Path(path).read_text()).items()}
+        except OSError:
+            return {}
+
+    async def check_replicated(self) -> None:
+        """Refuse ``kill_ps_copy`` against a job without replicated PS shards (its placements are logged before
+        it trains; the log may lag a moment behind ``cluster.json``)."""
+        for _ in range(20):
+            if self.ps_copies():
+                return
+            await asyncio.sleep(0.25)
+        raise ValueError(f"fault kill_ps_copy needs replicated PS shards ([downpour] ps_replicas >= 2): the job in "
+                         f"{self.job_dir} has none; leave kill_ps_copy out of --faults (kill_ps kills a PS process)")
+
     # -- faults -------------------------------------------------------------------
     async def inject(self, kind: str) -> dict[str, Any]:
         doc = self.cluster()
         children = [c for c in doc.get("children", []) if c["role"] != "coordinator" and _alive(int(c["pid"]))]
+        if kind == "kill_ps_copy":
+            copies = self.ps_copies()
+            placed = [(c, copies.get(c["address"]) or copies.get(c.get("listen", ""))) for c in children
+                      if c["role"] == "ps" and int(c["pid"]) not in self._frozen]
+            running = [(c, where) for c, where in placed if where is not None]
+            if not running:
+                return self.record("skipped", fault=kind, reason="no running copy of a replicated PS shard")
+            child, (shard, copy) = self.rng.choice(running)
+            os.kill(int(child["pid"]), signal.SIGKILL)
+            return self.record(kind, slot=child.get("slot"), pid=child["pid"], address=child["address"], shard=shard,
+                               copy=copy)
         if kind in ("kill_ps", "kill_replica"):
             role = "ps" if kind == "kill_ps" else "worker"
             targets = [c for c in children if c["role"] == role and int(c["pid"]) not in self._frozen]
@@ -184,6 +219,8 @@ class Chaos:
                 raise RuntimeError(f"no training job in {self.job_dir} after {self.wait_s:.0f} s "
                                    "(cluster.json state is not 'training')")
             await asyncio.sleep(0.2)
+        if "kill_ps_copy" in self.faults:
+            await self.check_replicated()
         self._t0 = time.monotonic()
         self.record("start", seed=self.seed, faults=list(self.faults), every_s=self.every_s, first_s=self.first_s)
         try:
@@ -266,7 +303,9 @@ def _alive(pid: int) -> bool:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dniasync.chaos", description=__doc__)
     p.add_argument("--job-dir", required=True, type=Path, help="the job's output_dir (where cluster.json is)")
-    p.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, from {', '.join(FAULTS)}")
+    p.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
+                   help=f"comma-separated, from {', '.join(FAULTS)} (default: all but kill_ps_copy, which needs "
+                        "[downpour] ps_replicas >= 2; kill_ps then kills a copy too, of any shard)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--first", type=float, default=20.0, help="seconds of training before the first fault")
     p.add_argument("--every", type=float, default=20.0, help="seconds between faults")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -39,7 +40,7 @@ from .shards import EVENT_PS_LOST, ShardKeeper
 if TYPE_CHECKING:
     from .hosts import Host
 
-__all__ = ["EVENT_PS_CHAIN", "EVENT_PS_COPY_DOWN", "EVENT_PS_COPY_JOINED", "ChainKeeper", "host_copy"]
+__all__ = ["EVENT_PS_CHAIN", "EVENT_PS_COPY_DOWN", "EVENT_PS_COPY_JOINED", "ChainKeeper", "copies_placed", "host_copy"]
 
 log = logging.getLogger("dniasync.cluster.chains")
 
@@ -48,6 +49,14 @@ EVENT_PS_COPY_JOINED: Final = "ps_copy_joined"
 EVENT_PS_CHAIN: Final = "ps_chain"
 VIEW_TIMEOUT_S: Final = 70.0
 """How long a copy may take to install a view (the old tail sends a joining copy its state meanwhile)."""
+COPY_PLACED: Final = "PS shard %d copy %d (%d parameters) goes to %s"
+"""The coordinator's log line for each copy placed (the chaos tool reads it: :func:`copies_placed`)."""
+_COPY_PLACED = re.compile(r"PS shard (\d+) copy (\d+) \(\d+ parameters\) goes to (?:\S+@)?(\S+)$", re.M)
+
+
+def copies_placed(log_text: str) -> dict[str, tuple[int, int]]:
+    """Address -> (shard, copy) of every copy of a replicated PS shard a coordinator's log placed (empty: none)."""
+    return {m.group(3): (int(m.group(1)), int(m.group(2))) for m in _COPY_PLACED.finditer(log_text)}
 
 
 @dataclass
@@ -98,7 +107,7 @@ class ChainKeeper(ShardKeeper):
             k, j = free[0]
             self.table[k][j] = _Copy(join.member, join.incarnation)
             self._where[join.member] = (k, j)
-            log.info("PS shard %d copy %d (%d parameters) goes to %s", k, j, self.specs[k].values.size, join.member)
+            log.info(COPY_PLACED, k, j, self.specs[k].values.size, join.member)
             return Assignment(CopySpec(self.specs[k], j))
         k, j = where
         copy = self.table[k][j]
