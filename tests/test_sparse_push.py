@@ -154,6 +154,12 @@ def test_sparse_true_takes_no_codec() -> None:
         parse_config(raw | {"downpour": {"sparse": "yes"}}, resolve=False)
 
 
+def backward(sync: Any, grad: np.ndarray) -> None:
+    """What a backward leaves: ``grad`` (the flat vector) in each parameter's ``.grad``."""
+    for param, offset, k in sync.flat.slices():
+        param.grad = torch.from_numpy(grad[offset:offset + k].copy()).view_as(param)
+
+
 @pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
 def test_a_hogwild_step_writes_only_the_touched_rows_and_ends_where_the_dense_step_does(optimizer: str) -> None:
     """Two workers' syncs over one shared store (one sparse, one dense, taking turns) leave the weights a dense-only
@@ -173,8 +179,7 @@ def test_a_hogwild_step_writes_only_the_touched_rows_and_ends_where_the_dense_st
         owner.write(HOGWILD_SEGMENT, flatten_parameters(model))
         sync = SharedStoreSync(model, name, spec, sparse=mode)
         for grad in grads:
-            sync.flat.grad.copy_(torch.from_numpy(grad))
-            model.zero_grad()
+            backward(sync, grad)
             sync.step()
         stores[mode] = (owner, sync)
     (sparse_store, sparse), (dense_store, dense) = stores["auto"], stores["never"]
@@ -186,7 +191,7 @@ def test_a_hogwild_step_writes_only_the_touched_rows_and_ends_where_the_dense_st
         assert untouched.size > 0
         row = int(untouched[-1])
         sparse_store.view(HOGWILD_SEGMENT)[row * DIM:(row + 1) * DIM] = 7.0
-        sparse.flat.grad.copy_(torch.from_numpy(grads[0]))
+        backward(sparse, grads[0])
         sparse.step()
         assert (sparse_store.view(HOGWILD_SEGMENT)[row * DIM:(row + 1) * DIM] == 7.0).all()
     for owner, _ in stores.values():

@@ -336,37 +336,50 @@ async def test_ps_sync_accumulates_steps_and_pushes_every_n_push() -> None:
     assert (stats.bytes_pushed, stats.bytes_pulled) == (32, 64)  # one push; the first pull and one after step 2
 
 
-@pytest.mark.parametrize(("n_fetch", "n_push"), [(2, 2), (3, 1), (1, 2)])
+@pytest.mark.parametrize(("n_fetch", "n_push", "optimizer"), [
+    (2, 2, "sgd"), (3, 1, "sgd"), (1, 2, "sgd"),
+    (1, 1, "adagrad"), (2, 2, "adagrad"),  # the shipped example's cadence (each parameter's step alone); summed
+])
 def test_downpour_over_a_shared_store_fetches_every_n_fetch_and_pushes_the_sum_every_n_push(
-        n_fetch: int, n_push: int) -> None:
-    """The replica computes on its own copy: the store moves only at a push, by SGD on the gradients summed
-    since the last one; the copy becomes the store only at a fetch; :meth:`flush` applies what is left."""
-    sgd = OptimizerSpec("sgd", 0.1)
+        n_fetch: int, n_push: int, optimizer: str) -> None:
+    """The replica computes on its own copy: the store moves only at a push, by the optimizer on the gradients
+    summed since the last one; the copy becomes the store only at a fetch; :meth:`flush` applies what is left."""
+    spec = OptimizerSpec(optimizer, 0.1, eps=1e-10)
     name = f"test-{uuid.uuid4().hex[:12]}"
     start = flatten_parameters(_model())
-    store = sgd.store([(HOGWILD_SEGMENT, start.size)], shm_name=name)
+    store = spec.store([(HOGWILD_SEGMENT, start.size)], shm_name=name)
     store.write(HOGWILD_SEGMENT, start)
     model = _model()
-    sync = build_sync(SharedStoreSpec(name, n_fetch=n_fetch, n_push=n_push), model, SyncContext("t", 1, sgd))
+    sync = build_sync(SharedStoreSpec(name, n_fetch=n_fetch, n_push=n_push), model, SyncContext("t", 1, spec))
     x, y = torch.linspace(-1, 1, 32).reshape(8, 4), torch.arange(8) % 2
     expected_store, copy, pending = start.copy(), start.copy(), np.zeros_like(start)
+    squares = np.zeros_like(start)
+
+    def stepped(w: np.ndarray, g: np.ndarray) -> np.ndarray:  # torch's SGD and Adagrad, by hand
+        if optimizer == "sgd":
+            return w - np.float32(0.1) * g  # type: ignore[no-any-return]
+        squares[:] += g * g
+        return w - np.float32(0.1) * g / (np.sqrt(squares) + np.float32(1e-10))  # type: ignore[no-any-return]
+
     for step in range(1, 7):
         np.testing.assert_array_equal(flatten_parameters(model), copy)  # the gradient is taken at the copy
         sync.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
         pending += np.concatenate([p.grad.numpy().ravel() for p in model.parameters() if p.grad is not None])
         sync.step()
+        assert all(p.grad is None for p in model.parameters())
         if step % n_push == 0:
-            expected_store -= np.float32(0.1) * pending
+            expected_store = stepped(expected_store, pending)
             pending[:] = 0
         if step % n_fetch == 0:
             copy = expected_store.copy()
-        np.testing.assert_allclose(store.view(HOGWILD_SEGMENT), expected_store, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(store.view(HOGWILD_SEGMENT), expected_store, rtol=1e-5, atol=1e-6)
     asyncio.run(sync.flush())
-    np.testing.assert_allclose(store.view(HOGWILD_SEGMENT), expected_store - np.float32(0.1) * pending, rtol=1e-6,
-                               atol=1e-7)
+    if pending.any():
+        expected_store = stepped(expected_store, pending)
+    np.testing.assert_allclose(store.view(HOGWILD_SEGMENT), expected_store, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="both 0 \\(Hogwild\\) or both >= 1"):
-        build_sync(SharedStoreSpec(name, n_fetch=1), _model(), SyncContext("t", 1, sgd))
+        build_sync(SharedStoreSpec(name, n_fetch=1), _model(), SyncContext("t", 1, spec))
     store.close()
 
 

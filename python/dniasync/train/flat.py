@@ -62,6 +62,10 @@ class FlatModel:
                 self._slices.append((p, offset, k))
                 offset += k
 
+    def slices(self) -> list[tuple[nn.Parameter, int, int]]:
+        """(parameter, offset, elements) of each parameter in the flat vector, in order."""
+        return list(self._slices)
+
     def accumulate_grad(self) -> None:
         """Add every parameter's ``.grad`` into :attr:`grad` and clear it."""
         with torch.no_grad():

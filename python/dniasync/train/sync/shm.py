@@ -17,10 +17,19 @@ each gradient is applied by the store's Rust optimizer. Nothing travels.
 An embedding table's step touches only the rows the gradient did (``sparse``,
 :mod:`dniasync.train.sparse`): the sparse updates Hogwild was designed for,
 where a dense step would write every row back, over other workers' updates.
+
+A step applied as soon as it is computed (Hogwild, or ``n_push = 1``) with SGD
+or Adagrad and no weight decay goes to the store parameter by parameter, from
+the gradients autograd wrote (``ParamStore.step_spans`` over each parameter's
+span: where the gradient is zero nothing changes, so the steps are the dense
+one's): no flat gradient is summed and zeroed. On this machine's compute-bound
+MLP, memory-bound at batch 32, that is four of a step's ten passes over the
+weights' size.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -61,14 +70,24 @@ class SharedStoreSync:
         self.sparse = sparse
         self.steps = 0
         self.sparse_steps = 0
+        self._direct: list[tuple[nn.Parameter, np.ndarray]] = []
+        """(parameter, its span) when each step goes to the store from the parameters' gradients (see above)."""
+        if (n_push <= 1 and not self.tables and optimizer.name in ("sgd", "adagrad") and optimizer.weight_decay == 0
+                and optimizer.clip_norm is None):
+            self._direct = [(p, np.array([[offset, k]], dtype=np.uint32)) for p, offset, k in self.flat.slices()]
 
     def zero_grad(self) -> None:
         for p in self._params:
             p.grad = None
 
     def step(self) -> None:
-        self.flat.accumulate_grad()
         self.steps += 1
+        if self._direct:
+            self._apply_direct()
+            if self.n_fetch and self.steps % self.n_fetch == 0:
+                self.flat.flat.copy_(torch.from_numpy(self.store.view(HOGWILD_SEGMENT)))
+            return
+        self.flat.accumulate_grad()
         if self.n_fetch == 0:
             self._apply()
             return
@@ -76,6 +95,15 @@ class SharedStoreSync:
             self._apply()
         if self.steps % self.n_fetch == 0:
             self.flat.flat.copy_(torch.from_numpy(self.store.view(HOGWILD_SEGMENT)))
+
+    def _apply_direct(self) -> None:
+        """Step the store with each parameter's gradient over its span, and clear the gradients."""
+        lr = self.lr * self.scale
+        with torch.no_grad():
+            for p, span in self._direct:
+                if p.grad is not None:
+                    self.store.step_spans(HOGWILD_SEGMENT, span, p.grad.reshape(-1).numpy(), lr)
+                    p.grad = None
 
     def _apply(self) -> None:
         """Step the store with the gradient accumulated since the last time, and clear it."""
