@@ -38,6 +38,8 @@ time: its ratio is left out and said so in ``results.missing_ratios``.
                                                      # of each grid (4 min at load 9 on 2 cores)
     python benchmarks/bench_hypothesis.py --cells mlp_2w,mlp_4w      # some cells now ...
     python benchmarks/bench_hypothesis.py --reuse                    # ... the rest later, reusing those saved
+    python benchmarks/bench_hypothesis.py --cells mlp_2w --rows hogwild,downpour:shm,torch:all-cores --reuse
+                                     # after a change to some methods: only their rows again, beside the reference
 
 Each cell is saved as ``runs/bench_hypothesis/<cell>/cell.json`` with what it depends on (setup, configs,
 grids); ``--reuse`` takes a saved cell only when that is unchanged. The reported wall time is the sum of the
@@ -245,12 +247,14 @@ def cached_cell(model: str, workers: int, labels: Sequence[str], setup: Setup, s
     return saved["cell"] if saved.get("fingerprint") == fingerprint(model, workers, labels, setup, seed0) else None
 
 
-def run_cell(model: str, workers: int, labels: Sequence[str], setup: Setup, seed0: int) -> dict[str, Any]:
+def run_cell(model: str, workers: int, labels: Sequence[str], setup: Setup, seed0: int,
+             rows: Sequence[str] = (), saved: dict[str, Any] | None = None) -> dict[str, Any]:
     """The sweep on the first seed, then the other seeds at each method's best lr; saved as the cell's
-    ``cell.json`` (with what it depends on) so a later ``--reuse`` run can take it instead of running it again."""
+    ``cell.json`` (with what it depends on) so a later ``--reuse`` run can take it instead of running it again.
+    ``rows``: run only these labels, the others taken from ``saved`` (the cell's earlier result)."""
     cell = f"{model}_{workers}w"
     started = time.monotonic()
-    variants = [VARIANTS[label] for label in labels]
+    variants = [VARIANTS[label] for label in labels if not rows or label in rows]
     sweep: list[dict[str, Any]] = []
     items = [(v, lr) for v in variants for lr in grid_of(v, setup)]
     for k, batch in enumerate(batches(items)):
@@ -281,6 +285,11 @@ def run_cell(model: str, workers: int, labels: Sequence[str], setup: Setup, seed
         }
     out = {"model": model, "workers": workers, "methods": methods, "sweep": [_brief(r) for r in sweep],
            "wall_s": time.monotonic() - started}
+    if saved is not None:  # the rows not re-run, as the earlier run measured them
+        out["methods"] = {label: methods[label] if label in methods else saved["methods"][label] for label in labels}
+        out["sweep"] = [r for r in saved["sweep"] if r["label"] not in methods] + out["sweep"]
+        out["rows_rerun"] = [*saved.get("rows_rerun", []), {"rows": list(methods), "wall_s": out["wall_s"]}]
+        out["wall_s"] += saved.get("wall_s", 0.0)
     (WORK / cell / "cell.json").write_text(json.dumps(
         {"fingerprint": fingerprint(model, workers, labels, setup, seed0), "cell": out}, indent=1))
     return out
@@ -371,14 +380,17 @@ def where_time_goes(cell: dict[str, Any], target: float = 0.92) -> dict[str, dic
     return out
 
 
-def expected_wall_s(setup: Setup, only: set[str] | frozenset[str] = frozenset()) -> tuple[int, float]:
-    """(runs, seconds) of the cells in ``only`` (empty: all): every run's start-up plus its stop rule's time
-    budget, two thirds of it on average (runs stop at their epochs or seconds; faster methods finish early)."""
+def expected_wall_s(setup: Setup, only: set[str] | frozenset[str] = frozenset(),
+                    rows: Sequence[str] = ()) -> tuple[int, float]:
+    """(runs, seconds) of the cells in ``only`` (empty: all), of their ``rows`` (empty: all): every run's start-up
+    plus its stop rule's time budget, two thirds of it on average (runs stop at their epochs or seconds; faster
+    methods finish early)."""
     runs = 0
     for model in setup.models:
         for workers, labels in setup.cells.items():
             if not only or f"{model}_{workers}w" in only:
-                runs += sum(len(grid_of(VARIANTS[label], setup)) + setup.seeds - 1 for label in labels)
+                runs += sum(len(grid_of(VARIANTS[label], setup)) + setup.seeds - 1 for label in labels
+                            if not rows or label in rows)
     return runs, runs * (START_UP_S + setup.max_seconds * 2 / 3)
 
 
@@ -446,12 +458,22 @@ def main() -> None:
                    "results then hold only the cells run or reused")
     p.add_argument("--reuse", action="store_true", help="take a cell saved by an earlier run of the same setup "
                    "(runs/bench_hypothesis/<cell>/cell.json) instead of running it again")
+    p.add_argument("--rows", default="", help="with --cells: run only these rows of those cells (labels, e.g. "
+                   "hogwild,downpour:shm,torch:all-cores: after a change that affects only them, with the reference "
+                   "beside them), the cells' other rows taken from their saved cell.json")
     args = p.parse_args()
+    rows = [r for r in args.rows.split(",") if r]
+    if rows and not args.cells:
+        p.error("--rows needs --cells: the cells whose rows to run again")
+    if set(rows) - VARIANTS.keys():
+        p.error(f"unknown row(s) {', '.join(sorted(set(rows) - VARIANTS.keys()))}: the rows are "
+                + ", ".join(VARIANTS))
     setup = QUICK if args.quick else FULL
     only = {c for c in args.cells.split(",") if c}
-    runs, expected = expected_wall_s(setup, only)
+    runs, expected = expected_wall_s(setup, only, rows)
     full_runs, full_expected = expected_wall_s(FULL)
-    which = f"{'quick' if args.quick else 'full'} run" + (f" of {', '.join(sorted(only))}" if only else "")
+    which = (f"{'quick' if args.quick else 'full'} run" + (f" of {', '.join(sorted(only))}" if only else "")
+             + (f", rows {', '.join(rows)}" if rows else ""))
     _common.say(f"{which}: {runs} runs, expected wall time ~{expected / 60:.0f} min "
                 f"(at most {runs * (START_UP_S + setup.max_seconds) / 60:.0f} min); the full run: {full_runs} runs, "
                 f"~{full_expected / 60:.0f} min (at most {full_runs * (START_UP_S + FULL.max_seconds) / 60:.0f} min)")
@@ -466,8 +488,13 @@ def main() -> None:
     for model in setup.models:
         for workers, labels in setup.cells.items():
             name = f"{model}_{workers}w"
-            saved = cached_cell(model, workers, labels, setup, seed0) if args.reuse else None
-            if saved is not None:
+            saved = cached_cell(model, workers, labels, setup, seed0) if args.reuse or rows else None
+            if rows and name in only:
+                if saved is None:
+                    p.error(f"--rows: cell {name} has no saved result of this setup ({WORK / name / 'cell.json'}) "
+                            "to take its other rows from; run the cell whole")
+                cells[name] = run_cell(model, workers, labels, setup, seed0, rows, saved)
+            elif saved is not None:
                 _common.say(f"[{name}] reused from {WORK / name / 'cell.json'}")
                 cells[name], reused = saved, [*reused, name]
             elif not only or name in only:
