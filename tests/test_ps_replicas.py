@@ -250,3 +250,43 @@ def test_the_chaos_tools_kill_ps_copy_loses_no_acknowledged_push(tmp_path: Path)
     assert metrics["ps_acknowledged_pushes_kept"] == metrics["ps_acknowledged_pushes"], metrics
     survivor = 1 - fault["copy"]
     assert metrics[f"ps0_copy{survivor}_in_chain"] == 1 and metrics[f"ps0_copy{survivor}_divergent"] == 0
+
+
+def test_a_copy_frozen_past_the_detection_interval_rejoins_its_chain_when_it_wakes(tmp_path: Path) -> None:
+    """SIGSTOP of a PS copy for longer than the failure detector's 3 s: the chain closes around it and the job goes
+    on; once it answers again (the same process: nothing restarts it) it rejoins at the tail with the chain's state,
+    so the shard has both copies again and nothing acknowledged is lost."""
+    out = tmp_path / "frozen"
+    config = tmp_path / "frozen.toml"
+    config.write_text(JOB.format(name="frozen", out=out, epochs=100_000).replace("max_seconds = 240", "max_seconds = 14"))
+    launcher = subprocess.Popen([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        text = _wait_training(out)
+        tail = re.search(r"PS shard 0 copy 1 \(\d+ parameters\) goes to ps-host@(\S+)", text)
+        assert tail is not None, text
+        children = json.loads((out / "cluster.json").read_text())["children"]
+        victim = next(c for c in children if c["role"] == "ps" and c["address"] == tail.group(1))
+        os.kill(victim["pid"], signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while "is down; the chain closes around it" not in (out / "logs" / "coordinator0.log").read_text():
+            assert time.monotonic() < deadline, "the frozen copy was never missed"
+            time.sleep(0.1)
+        os.kill(victim["pid"], signal.SIGCONT)
+        stdout, stderr = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 0, stdout + stderr
+    doc = json.loads((out / "summary.json").read_text())
+    events = [e for e in doc["events"] if e["kind"] in ("ps_copy_down", "ps_copy_joined")]
+    assert [(e["kind"], e["address"].rsplit("@", 1)[-1]) for e in events] == [
+        ("ps_copy_down", tail.group(1)), ("ps_copy_joined", tail.group(1))], doc["events"]
+    metrics = doc["metrics"]
+    assert metrics["ps0_copy0_in_chain"] == 1 and metrics["ps0_copy1_in_chain"] == 1, metrics
+    assert metrics["ps0_copy1_transfers"] == 0 and metrics["ps0_copy0_transfers"] >= 1  # the tail took the head's
+    assert metrics["ps0_copy0_version"] == metrics["ps0_copy1_version"]
+    assert metrics["ps0_copy0_divergent"] == metrics["ps0_copy1_divergent"] == 0
+    assert metrics["ps_acknowledged_pushes"] > 0
+    assert metrics["ps_acknowledged_pushes_kept"] == metrics["ps_acknowledged_pushes"], metrics

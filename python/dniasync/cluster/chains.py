@@ -222,6 +222,22 @@ class ChainKeeper(ShardKeeper):
                                     shard=k)
             else:
                 self._all_down.pop(k, None)
+                self._rejoin(k)
+
+    def _rejoin(self, k: int) -> None:
+        """A copy the chain closed around while it could not be reached (its process frozen, its link down) and
+        that answers again, the same process: it rejoins at the tail and takes the tail's state, its own being
+        behind, as a restarted copy does."""
+        for j, copy in enumerate(self.table[k]):
+            view = self.views[k]
+            if view is None or not view.chain or copy is None or not copy.up or copy.joining or copy.ref is None:
+                continue
+            ref = copy.ref
+            if ref.is_alive and all(r.address != ref.address for r in view.chain):
+                log.warning("PS shard %d copy %d at %s answers again: it rejoins the chain at the tail", k, j,
+                            ref.address)
+                self._install(k, [*view.chain, ref], joining=[ref.address])
+                self._event(EVENT_PS_COPY_JOINED, shard=k, copy=j, address=ref.address)
 
 
 async def host_copy(host: Host, spec: CopySpec) -> list[ActorRef]:

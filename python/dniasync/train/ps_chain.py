@@ -109,6 +109,10 @@ class ChainShard(PSShard):
         after = self._successor(msg)
         log.info("shard %d copy %d: view %d, position %d of %d", self.shard, self.copy, msg.number, pos,
                  len(msg.chain))
+        if self.ref.address in msg.joining and not self.catching_up:
+            # cut out while it could not be reached, back in at the tail: its own state is behind the chain's
+            self.catching_up = True
+            log.info("shard %d copy %d: rejoins; it takes its predecessor's state", self.shard, self.copy)
         if self.catching_up and pos > 0:
             await self._greet(msg.chain[pos - 1])
         self._owes_state = after.address if after is not None and after.address in msg.joining else ""
