@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import pytest
 
 from dniasync import ActorSystem
 from dniasync.actors import ActorRef
+from dniasync.cluster.chains import copies_placed
 from dniasync.train.chain import ChainView, CopySpec
 from dniasync.train.messages import Params, Pull, Push, ShardStats
 from dniasync.train.ps_chain import CatchingUp, ChainShard
@@ -176,6 +176,16 @@ def _wait_training(out: Path, timeout: float = 120) -> str:
     raise AssertionError("the job never trained")
 
 
+def _copy_process(out: Path, *, shard: int, copy: int) -> tuple[str, int]:
+    """(address, pid) of the process hosting ``copy`` of ``shard``, once the job trains (from the coordinator's
+    placement log, as the chaos tool finds it)."""
+    placed = copies_placed(_wait_training(out))
+    address = next((a for a, where in placed.items() if where == (shard, copy)), None)
+    assert address is not None, placed
+    children = json.loads((out / "cluster.json").read_text())["children"]
+    return address, next(int(c["pid"]) for c in children if c["role"] == "ps" and c["address"] == address)
+
+
 def test_a_killed_head_copy_loses_no_acknowledged_push_and_the_job_reaches_its_target(tmp_path: Path) -> None:
     out = tmp_path / "chain"
     config = tmp_path / "chain.toml"
@@ -183,12 +193,8 @@ def test_a_killed_head_copy_loses_no_acknowledged_push_and_the_job_reaches_its_t
     launcher = subprocess.Popen([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        text = _wait_training(out)
-        head = re.search(r"PS shard 0 copy 0 \(\d+ parameters\) goes to ps-host@(\S+)", text)
-        assert head is not None, text
-        children = json.loads((out / "cluster.json").read_text())["children"]
-        victim = next(c for c in children if c["role"] == "ps" and c["address"] == head.group(1))
-        os.kill(victim["pid"], signal.SIGKILL)
+        _, pid = _copy_process(out, shard=0, copy=0)
+        os.kill(pid, signal.SIGKILL)
         stdout, stderr = launcher.communicate(timeout=240)
     finally:
         if launcher.poll() is None:
@@ -262,17 +268,13 @@ def test_a_copy_frozen_past_the_detection_interval_rejoins_its_chain_when_it_wak
     launcher = subprocess.Popen([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        text = _wait_training(out)
-        tail = re.search(r"PS shard 0 copy 1 \(\d+ parameters\) goes to ps-host@(\S+)", text)
-        assert tail is not None, text
-        children = json.loads((out / "cluster.json").read_text())["children"]
-        victim = next(c for c in children if c["role"] == "ps" and c["address"] == tail.group(1))
-        os.kill(victim["pid"], signal.SIGSTOP)
+        tail, pid = _copy_process(out, shard=0, copy=1)
+        os.kill(pid, signal.SIGSTOP)
         deadline = time.monotonic() + 60
         while "is down; the chain closes around it" not in (out / "logs" / "coordinator0.log").read_text():
             assert time.monotonic() < deadline, "the frozen copy was never missed"
             time.sleep(0.1)
-        os.kill(victim["pid"], signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)
         stdout, stderr = launcher.communicate(timeout=240)
     finally:
         if launcher.poll() is None:
@@ -282,7 +284,7 @@ def test_a_copy_frozen_past_the_detection_interval_rejoins_its_chain_when_it_wak
     doc = json.loads((out / "summary.json").read_text())
     events = [e for e in doc["events"] if e["kind"] in ("ps_copy_down", "ps_copy_joined")]
     assert [(e["kind"], e["address"].rsplit("@", 1)[-1]) for e in events] == [
-        ("ps_copy_down", tail.group(1)), ("ps_copy_joined", tail.group(1))], doc["events"]
+        ("ps_copy_down", tail), ("ps_copy_joined", tail)], doc["events"]
     metrics = doc["metrics"]
     assert metrics["ps0_copy0_in_chain"] == 1 and metrics["ps0_copy1_in_chain"] == 1, metrics
     assert metrics["ps0_copy1_transfers"] == 0 and metrics["ps0_copy0_transfers"] >= 1  # the tail took the head's
