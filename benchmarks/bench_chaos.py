@@ -13,7 +13,11 @@ It runs twice with ``python -m dniasync.node --role local``: fault-free, then
 with ``DNIASYNC_CHAOS_PROXY=1`` (every PS shard behind a fault proxy) and
 ``python -m dniasync.chaos`` injecting one fault every 20 s drawn (seeded,
 in shuffled rounds) from {kill a PS shard, kill a replica, freeze a process
-10 s, reset a PS link, black-hole a PS link 5 s} until the job ends. The
+10 s, reset a PS link, black-hole a PS link 5 s, kill the coordinator} until
+the job ends. Both runs have a standby coordinator (``[job] standby = true``),
+which takes the job over when ``kill_coordinator`` SIGKILLs the active one; the
+launcher then starts a new standby, so every coordinator fault has one.
+``coordinator_faults_survived`` counts them (goal >= 2). The
 chaos tool reads the open fds, asyncio tasks and RSS of every process before
 the first fault and again ``SETTLE_S`` after each fault ended (before the
 next); the last reading of the processes that survived is the soak's.
@@ -38,7 +42,7 @@ worth / the worst PS kill's loss; goal >= 1), ``checkpoint_samples_per_s_vs_none
 cut into 2 stages, cDNI, 2 pipelines whose replicated stages share a
 PS shard per group: 4 worker processes, 2 PS processes), with an epoch
 budget, checkpoints every ``CHECKPOINT_S`` and its own target
-``PIPELINE_TARGET`` (90%, the example's). The same five faults: killing a
+``PIPELINE_TARGET`` (90%, the example's). The same faults but the coordinator's: killing a
 worker kills a stage (the launcher restarts it; its pipeline rolls back to
 its last capture and drives the batches since then again, see
 ``dniasync.cluster.modes._pipeline_durable``); its samples lost are those of
@@ -108,7 +112,9 @@ TARGET = 0.92
 PIPELINE_TARGET = 0.90
 CHECKPOINT_S = 5.0
 SETTLE_S = 8.0
-FAULTS = "kill_ps,kill_replica,freeze,reset,blackhole"
+FAULTS = "kill_ps,kill_replica,freeze,reset,blackhole,kill_coordinator"
+PIPELINE_FAULTS = "kill_ps,kill_replica,freeze,reset,blackhole"
+"""A pipeline job has no standby coordinator (``job.standby`` is Downpour's): no ``kill_coordinator``."""
 REPLICATED_FAULTS = "kill_ps_copy,kill_replica"
 RECOVERY_GOAL_S = 2.0
 """Issue #30: a copy's chain closes and pushes are acknowledged again within 2 s of its death."""
@@ -121,6 +127,7 @@ name = "{name}"
 mode = "downpour"
 seed = 0
 output_dir = "{out}"
+standby = {standby}
 
 [model]
 factory = "dniasync.train.models:mlp"
@@ -193,15 +200,18 @@ every_seconds = {eval_s}
 
 
 def job(tmp: Path, name: str, *, epochs: int, checkpoint_s: float | None, sizes: list[int] | None = None,
-        max_seconds: float = 3600, eval_s: float = 1.0, kind: str = "downpour") -> tuple[Path, Path]:
-    """``kind``: ``downpour``, ``replicated`` (the same with ``ps_replicas = 2``) or ``pipeline``."""
+        max_seconds: float = 3600, eval_s: float = 1.0, kind: str = "downpour",
+        standby: bool = False) -> tuple[Path, Path]:
+    """``kind``: ``downpour``, ``replicated`` (the same with ``ps_replicas = 2``) or ``pipeline``; ``standby``:
+    a Downpour job gets a standby coordinator (the chaos runs, with and without faults)."""
     out = tmp / name
     config = tmp / f"{name}.toml"
     ckpt = f"\n[checkpoint]\nevery_seconds = {checkpoint_s}\n" if checkpoint_s else ""
     template = PIPELINE_JOB if kind == "pipeline" else JOB
     config.write_text(template.format(name=name, out=out, sizes=sizes or [784, 256, 256, 10], epochs=epochs,
                                       max_seconds=max_seconds, eval_s=eval_s, checkpoint=ckpt,
-                                      ps_replicas=2 if kind == "replicated" else 1))
+                                      ps_replicas=2 if kind == "replicated" else 1,
+                                      standby="true" if kind == "downpour" and standby else "false"))
     return config, out
 
 
@@ -225,7 +235,7 @@ def finish(launcher: subprocess.Popen[str], out: Path, timeout: float) -> dict[s
 
 # -- the chaos run -------------------------------------------------------------------------
 def fault_free(tmp: Path, epochs: int, kind: str = "downpour") -> dict[str, Any]:
-    config, out = job(tmp, f"{kind}_fault_free", epochs=epochs, checkpoint_s=CHECKPOINT_S, kind=kind)
+    config, out = job(tmp, f"{kind}_fault_free", epochs=epochs, checkpoint_s=CHECKPOINT_S, kind=kind, standby=True)
     summary = finish(launch(config, out), out, timeout=3600)
     say(f"{kind} fault-free: {summary['stop_reason']}, {summary['wall_s']:.1f} s, final accuracy "
         f"{summary['final_accuracy']:.4f}")
@@ -234,7 +244,7 @@ def fault_free(tmp: Path, epochs: int, kind: str = "downpour") -> dict[str, Any]
 
 def chaos_run(tmp: Path, epochs: int, *, every: float, freeze: float, blackhole: float, settle: float,
               seed: int, kind: str = "downpour", faults: str = FAULTS) -> tuple[dict[str, Any], dict[str, Any]]:
-    config, out = job(tmp, f"{kind}_chaos", epochs=epochs, checkpoint_s=CHECKPOINT_S, kind=kind)
+    config, out = job(tmp, f"{kind}_chaos", epochs=epochs, checkpoint_s=CHECKPOINT_S, kind=kind, standby=True)
     launcher = launch(config, out, proxies=True)
     report_path = tmp / f"{kind}_chaos_report.json"
     chaos = subprocess.run(
@@ -462,7 +472,8 @@ def main() -> None:
     pipeline_epochs = 40 if quick else 500
     every, freeze, blackhole = (5.0, 3.0, 2.0) if quick else (20.0, 10.0, 5.0)
     results: dict[str, Any] = {"checkpoint_every_s": CHECKPOINT_S, "fault_every_s": every,
-                               "faults_from": FAULTS.split(","), "replicated_faults_from": REPLICATED_FAULTS.split(",")}
+                               "faults_from": FAULTS.split(","), "replicated_faults_from": REPLICATED_FAULTS.split(","),
+                               "pipeline_faults_from": PIPELINE_FAULTS.split(",")}
     ratios: dict[str, float] = {}
     runs = []
     faults_all: list[bool] = []
@@ -475,7 +486,8 @@ def main() -> None:
             free = fault_free(tmp, n_epochs, kind)
             chaos, report = chaos_run(tmp, n_epochs, every=every, settle=1.5 if quick else SETTLE_S, freeze=freeze,
                                       blackhole=blackhole, seed=args.seed, kind=kind,
-                                      faults=REPLICATED_FAULTS if kind == "replicated" else FAULTS)
+                                      faults={"replicated": REPLICATED_FAULTS, "pipeline": PIPELINE_FAULTS}.get(
+                                          kind, FAULTS))
             faults = report["faults"]
             ok = [survived(f, chaos) for f in faults]
             rate = free["samples"] / free["wall_s"]
@@ -502,6 +514,13 @@ def main() -> None:
             worst = max(losses + lost_stages, default=None)
             if worst is not None:
                 ratios[f"{kind}_chaos_samples_lost_bound_vs_worst"] = bound / max(worst, 1)
+            if kind == "downpour":
+                takeovers = [e for e in chaos["events"] if e["kind"] == "coordinator_takeover"]
+                killed = [s_ for f, s_ in zip(faults, ok) if f["kind"] == "kill_coordinator"]
+                r["coordinator_takeovers"] = takeovers
+                ratios["coordinator_faults_survived"] = float(sum(killed))
+                say(f"downpour: {len(killed)} coordinator(s) killed, {sum(killed)} survived, {len(takeovers)} "
+                    f"takeovers (unheard {[t['silent_s'] for t in takeovers]} s)")
             if kind == "replicated":
                 replicated_figures(r, free, chaos, results.get("downpour"), tmp / f"{kind}_chaos", ratios)
             faults_all += ok

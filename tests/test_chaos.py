@@ -183,6 +183,10 @@ def test_a_run_whose_job_ends_before_a_fault_settles_says_its_soak_checked_nothi
     refused = subprocess.Popen([sys.executable, "-m", "dniasync.chaos", "--job-dir", str(out), "--faults",
                                 "kill_ps_copy", "--count", "1", "--first", "0", "--wait", "300"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # and kill_coordinator, without a standby coordinator to take the job over
+    no_standby = subprocess.Popen([sys.executable, "-m", "dniasync.chaos", "--job-dir", str(out), "--faults",
+                                   "kill_coordinator", "--count", "1", "--first", "0", "--wait", "300"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         chaos = subprocess.run(
             [sys.executable, "-m", "dniasync.chaos", "--job-dir", str(out), "--faults", "kill_replica", "--count", "1",
@@ -190,12 +194,17 @@ def test_a_run_whose_job_ends_before_a_fault_settles_says_its_soak_checked_nothi
             capture_output=True, text=True, timeout=600,
         )
         _, refusal = refused.communicate(timeout=300)
+        _, refusal_standby = no_standby.communicate(timeout=300)
     finally:
         launcher.wait(timeout=300)
-        if refused.poll() is None:
-            refused.kill()
+        for proc in (refused, no_standby):
+            if proc.poll() is None:
+                proc.kill()
     assert refused.returncode == 2, refusal
     assert "kill_ps_copy needs replicated PS shards" in refusal and "ps_replicas" in refusal, refusal
+    assert no_standby.returncode == 2, refusal_standby
+    assert "kill_coordinator needs a standby coordinator" in refusal_standby, refusal_standby
+    assert "job.standby" in refusal_standby or "[job] standby" in refusal_standby
     assert chaos.returncode == 0, chaos.stderr
     report = json.loads((tmp_path / "chaos.json").read_text())
     assert [f["kind"] for f in report["faults"]] == ["kill_replica"]

@@ -19,10 +19,12 @@ from typing import IO, Any, Final
 
 __all__ = ["DEFAULT_FAULTS", "FAULTS", "Chaos", "main", "process_resources"]
 
-FAULTS: Final = ("kill_ps", "kill_replica", "freeze", "reset", "blackhole", "delay", "kill_ps_copy")
+FAULTS: Final = ("kill_ps", "kill_replica", "freeze", "reset", "blackhole", "delay", "kill_ps_copy",
+                  "kill_coordinator")
 """Every fault the tool injects; ``reset``, ``blackhole`` and ``delay`` need the launcher's proxies,
-``kill_ps_copy`` a job with replicated PS shards (``[downpour] ps_replicas >= 2``)."""
-DEFAULT_FAULTS: Final = FAULTS[:-1]
+``kill_ps_copy`` a job with replicated PS shards (``[downpour] ps_replicas >= 2``), ``kill_coordinator`` a job
+with a standby coordinator (``[job] standby = true``)."""
+DEFAULT_FAULTS: Final = FAULTS[:-2]
 """What ``--faults`` defaults to: every fault any Downpour job takes."""
 LINK_FAULTS: Final = ("reset", "blackhole", "delay")
 RUNNING: Final = ("starting", "waiting", "training")
@@ -141,9 +143,26 @@ class Chaos:
         raise ValueError(f"fault kill_ps_copy needs replicated PS shards ([downpour] ps_replicas >= 2): the job in "
                          f"{self.job_dir} has none; leave kill_ps_copy out of --faults (kill_ps kills a PS process)")
 
+    async def check_standby(self) -> None:
+        """Refuse ``kill_coordinator`` against a job without a standby coordinator (it would end the job)."""
+        for _ in range(20):
+            if any(c["role"] == "standby" for c in self.cluster().get("children", [])):
+                return
+            await asyncio.sleep(0.25)
+        raise ValueError(f"fault kill_coordinator needs a standby coordinator ([job] standby = true): the job in "
+                         f"{self.job_dir} has none, and its coordinator's death would end it; leave kill_coordinator "
+                         "out of --faults")
+
     # -- faults -------------------------------------------------------------------
     async def inject(self, kind: str) -> dict[str, Any]:
         doc = self.cluster()
+        if kind == "kill_coordinator":
+            active = [c for c in doc.get("children", []) if c["role"] == "coordinator" and _alive(int(c["pid"]))]
+            standing = [c for c in doc.get("children", []) if c["role"] == "standby" and _alive(int(c["pid"]))]
+            if not active or not standing:  # the last takeover is still under way: no standby follows yet
+                return self.record("skipped", fault=kind, reason="no coordinator with a standby following it")
+            os.kill(int(active[0]["pid"]), signal.SIGKILL)
+            return self.record(kind, slot=active[0].get("slot"), pid=active[0]["pid"], address=active[0]["address"])
         children = [c for c in doc.get("children", []) if c["role"] != "coordinator" and _alive(int(c["pid"]))]
         if kind == "kill_ps_copy":
             copies = self.ps_copies()
@@ -221,6 +240,8 @@ class Chaos:
             await asyncio.sleep(0.2)
         if "kill_ps_copy" in self.faults:
             await self.check_replicated()
+        if "kill_coordinator" in self.faults:
+            await self.check_standby()
         self._t0 = time.monotonic()
         self.record("start", seed=self.seed, faults=list(self.faults), every_s=self.every_s, first_s=self.first_s)
         try:
@@ -305,7 +326,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--job-dir", required=True, type=Path, help="the job's output_dir (where cluster.json is)")
     p.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
                    help=f"comma-separated, from {', '.join(FAULTS)} (default: all but kill_ps_copy, which needs "
-                        "[downpour] ps_replicas >= 2; kill_ps then kills a copy too, of any shard)")
+                        "[downpour] ps_replicas >= 2 (kill_ps then kills a copy too, of any shard), and "
+                        "kill_coordinator, which needs [job] standby = true)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--first", type=float, default=20.0, help="seconds of training before the first fault")
     p.add_argument("--every", type=float, default=20.0, help="seconds between faults")

@@ -63,6 +63,9 @@ class JobConfig(Section, frozen=True):
     name: Annotated[str, Meta(description="letters, digits, `_ . -`")] = "dniasync-job"
     seed: Annotated[int, Meta(ge=0, description="model init, split, shard order")] = 0
     output_dir: Annotated[str, Meta(description="where the summary JSON and PNG go (default `runs/<name>`)")] | None = None
+    standby: Annotated[bool, Meta(description=(
+        "run a standby coordinator that follows the job and takes it over, with the same processes, if the "
+        "coordinator dies (mode downpour with sync.kind 'ps' and ps_replicas = 1; the launcher starts it)"))] = False
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -417,6 +420,8 @@ def parse_config(raw: Mapping[str, Any], *, resolve: bool = True) -> Config:
         raise ConfigError(f"section '[regroup]' does not apply to job.mode {job.mode!r}: that mode has no stages to "
                           "regroup", "regroup")
     mode.check(config, raw)
+    if config.job.standby:
+        _check_standby(config)
     if config.eval.deferred and config.stop.target_accuracy is not None:
         raise ConfigError("'eval.deferred' cannot be used with stop.target_accuracy: the accuracy is known only "
                           "after training", "eval.deferred")
@@ -429,6 +434,17 @@ def parse_config(raw: Mapping[str, Any], *, resolve: bool = True) -> Config:
     if resolve:
         _resolve(config)
     return config
+
+
+def _check_standby(config: Config) -> None:
+    """What a standby coordinator can take over today: Downpour's replicas and PS shards as they run."""
+    replicas = getattr(config.settings, "ps_replicas", 1)
+    if config.mode != "downpour" or config.sync_kind != "ps" or replicas != 1:
+        what = (f"job.mode {config.mode!r}" if config.mode != "downpour" else
+                f"sync.kind {config.sync_kind!r}" if config.sync_kind != "ps" else f"downpour.ps_replicas = {replicas}")
+        raise ConfigError(f"'job.standby' is true, but a standby coordinator can take over only mode 'downpour' with "
+                          f"sync.kind 'ps' and ps_replicas = 1 (this job has {what}); use [checkpoint] and --resume",
+                          "job.standby")
 
 
 def _check_sync(config: Config, raw: Mapping[str, Any]) -> None:

@@ -23,11 +23,15 @@ from ..train.specs import ShardResume, ShardSpec
 from .config import Config
 from .report import RunReport
 
-__all__ = ["RESUMABLE_SECTIONS", "checkpoint_store", "job_state", "restore_report", "resumed_specs", "shard_parts"]
+__all__ = ["EPOCH_FILE", "RESUMABLE_SECTIONS", "checkpoint_store", "claim_epoch", "epoch_now", "job_state",
+           "restore_report", "resumed_specs", "shard_parts"]
 
 log = logging.getLogger("dniasync.cluster.durable")
 
 RESUMABLE_SECTIONS: Final = ("stop", "eval", "checkpoint")
+EPOCH_FILE: Final = "coordinator.epoch"
+"""In the job's output directory: the epoch of the coordinator that runs the job (a standby that takes over
+writes the next); a coordinator that reads a higher one than its own is fenced and writes nothing more."""
 """Sections a resumed run may change: how long it goes on, how often it evaluates and saves."""
 
 
@@ -86,3 +90,29 @@ def restore_report(report: RunReport, meta: dict[str, Any]) -> None:
         details = {k: v for k, v in e.items() if k not in ("wall_s", "kind")}
         report.record_event(e["wall_s"], e["kind"], **details)
     report.add_bytes(pushed=int(meta["bytes_pushed"]), pulled=int(meta["bytes_pulled"]))
+
+
+def _epoch_path(config: Config) -> Path:
+    return Path(config.output_dir) / EPOCH_FILE
+
+
+def epoch_now(config: Config) -> int:
+    """The epoch of the coordinator that runs the job now (0: none written)."""
+    try:
+        return int(_epoch_path(config).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def claim_epoch(config: Config, epoch: int, address: str, *, fresh: bool = False) -> bool:
+    """Record that the coordinator at ``address`` runs the job as ``epoch``; False if one of this epoch or
+    a later one already does (another standby took over first). ``fresh``: a new run of the job, whatever an
+    earlier run left. Written to a temporary file, then renamed."""
+    path = _epoch_path(config)
+    if not fresh and epoch_now(config) >= epoch:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{EPOCH_FILE}.{epoch}.tmp")
+    tmp.write_text(f"{epoch} {address}\n")
+    tmp.replace(path)
+    return True

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from ..actors import Actor, ActorError, ActorNotFound, ActorRef, Backoff, handler, message
+from ..train.messages import CoordinatorEpoch, fenced
 from .protocol import Assignment, JoinJob, NoJob, Ready
 
 __all__ = ["Host"]
@@ -38,6 +39,8 @@ class Host(Actor):
         self.ready: Ready | None = None
         """What to tell the runner once it answers (a busy machine may drop a connection meanwhile)."""
         self.hosted: list[ActorRef] = []
+        self.epoch = 0
+        """The highest coordinator epoch heard from (a standby that took over raises it)."""
 
     async def on_start(self) -> None:
         self.ref.tell_nowait(_Attempt())
@@ -74,6 +77,12 @@ class Host(Actor):
         self._backoff.succeeded()
         self.ready = Ready(self.ref.address, self.incarnation, list(self.hosted))
         await self._announce(runner, self.ready)
+
+    @handler
+    def coordinator_epoch(self, msg: CoordinatorEpoch) -> None:
+        """A standby coordinator took the job over: ask it from now on."""
+        if not fenced(msg.epoch, self.epoch):
+            self.epoch, self.coordinator_address = msg.epoch, msg.runner
 
     async def _announce(self, runner: ActorRef, ready: Ready) -> None:
         try:

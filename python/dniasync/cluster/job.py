@@ -18,6 +18,7 @@ naming the shard; every ending writes the summary for the time that ran.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import deque
@@ -25,18 +26,18 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ..actors import Actor, ActorError, ActorRef, handler, message
-from ..train.checkpoint import LoadedCheckpoint
-from ..train.messages import Progress
+from ..train.checkpoint import CheckpointError, LoadedCheckpoint
+from ..train.messages import CoordinatorEpoch, Progress
 from . import durable
 from .config import Config
 from .mode_api import JobFailed, ModeJob, Snapshot
 from .modes import get_mode
-from .protocol import Assignment, JobStatus, JobStatusReply, JoinJob, NoJob, Ready
+from .protocol import Assignment, FollowJob, JobState, JobStatus, JobStatusReply, JoinJob, NoJob, Ready
 from .report import RunReport
 from .shards import ShardKeeper
 from .telemetry import track_trainer
 
-__all__ = ["EVENT_EVAL_FAILED", "JobRunner", "MAX_DEFERRED_SNAPSHOTS", "PS_LOST_AFTER_S"]
+__all__ = ["EVENT_EVAL_FAILED", "EVENT_TAKEOVER", "MAX_DEFERRED_SNAPSHOTS", "PS_LOST_AFTER_S", "JobRunner", "Takeover"]
 
 log = logging.getLogger("dniasync.cluster.job")
 
@@ -54,6 +55,20 @@ EVENT_EVAL_FAILED: Final = "eval_failed"
 EVENT_CHECKPOINT_FAILED: Final = "checkpoint_failed"
 EVENT_RESUMED: Final = "resumed"
 EVENT_JOB_FAILED: Final = "job_failed"
+EVENT_TAKEOVER: Final = "coordinator_takeover"
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """What a standby coordinator hands the runner it starts: the dead one's last followed state."""
+
+    epoch: int
+    previous: str
+    """The address of the runner it takes over from."""
+    document: dict[str, Any]
+    """:class:`~dniasync.cluster.protocol.JobState`'s document."""
+    followed_at: float
+    """``time.monotonic()`` when that state arrived."""
 
 
 @message("dniasync.cluster.job.Tick")
@@ -74,9 +89,15 @@ class JobRunner(Actor):
         liveness_s: float = 3.0,
         finished: asyncio.Event | None = None,
         resume_from: LoadedCheckpoint | None = None,
+        takeover: Takeover | None = None,
     ) -> None:
         self.config = config
         self.resume_from = resume_from
+        self.takeover = takeover
+        self.epoch = takeover.epoch if takeover is not None else 1
+        """The coordinator epoch this runner runs the job as (a standby that takes over runs the next)."""
+        self.fenced = False
+        """A later epoch took the job over: this runner changes nothing more."""
         self._wall_before = 0.0
         """Training time of the earlier runs of a resumed job."""
         self.liveness_s = liveness_s
@@ -104,13 +125,22 @@ class JobRunner(Actor):
         specs = self.job.ps_shards()
         self.store = durable.checkpoint_store(self.config)
         loaded = self.resume_from
+        if self.takeover is None:
+            if loaded is not None:
+                self.epoch = durable.epoch_now(self.config) + 1
+            await self.run_blocking(durable.claim_epoch, self.config, self.epoch, self.ref.address,
+                                    fresh=loaded is None)
+        else:  # a shard restarted after the takeover starts from the last checkpoint's snapshot, if there is one
+            loaded = await self.run_blocking(self._latest_checkpoint)
         if loaded is not None:
             specs = await self.run_blocking(durable.resumed_specs, specs, loaded)
         keeper = getattr(self.job, "shard_keeper", ShardKeeper)  # replicated shards come with a keeper of their own
         self.shards: ShardKeeper = keeper(specs, self.event, lost_after_s=PS_LOST_AFTER_S, samples=self.samples)
         self._last_snapshot = time.monotonic()
         track_trainer(self.system, self)
-        if loaded is not None:
+        if self.takeover is not None:
+            self._take_over(self.takeover)
+        elif loaded is not None:
             try:
                 self._resume(loaded)
             except JobFailed as exc:
@@ -125,6 +155,62 @@ class JobRunner(Actor):
         self.event(EVENT_RESUMED, checkpoint=str(loaded.path), samples=self.samples())
         log.info("resuming from %s: %.1f s and %d samples trained before", loaded.path, self._wall_before,
                  self.samples())
+
+    def _latest_checkpoint(self) -> LoadedCheckpoint | None:
+        try:
+            return self.store.latest()
+        except CheckpointError as exc:
+            log.warning("no checkpoint to restart PS shards from after the takeover: %s", exc)
+            return None
+
+    def _take_over(self, takeover: Takeover) -> None:
+        """Go on with the job a dead coordinator ran: its report, clock and members, the same processes."""
+        doc = takeover.document
+        durable.restore_report(self.report, doc["meta"])
+        self.shards.adopt(self.system, doc["ps"])
+        adopt = getattr(self.job, "adopt", None)
+        if adopt is None:  # config refuses job.standby for such modes: this is a defect if reached
+            raise RuntimeError(f"mode {self.config.mode} cannot be taken over by a standby coordinator")
+        adopt(doc["mode"])
+        gap = time.monotonic() - takeover.followed_at
+        self._wall_before = float(doc["meta"]["wall_s"]) + gap  # its members trained on meanwhile
+        self.mark_started()
+        self._last_eval_wall = float(doc["last_eval_wall"])
+        self.event(EVENT_TAKEOVER, epoch=self.epoch, previous=takeover.previous, silent_s=round(gap, 3))
+        log.warning("coordinator epoch %d: took the job over from %s (last heard %.1f s ago), %d samples trained",
+                    self.epoch, takeover.previous, gap, self.samples())
+        order = CoordinatorEpoch(self.epoch, self.ref.address)
+        for address in doc["tell"]:  # every host, replica, PS shard and membership of the job
+            try:
+                self.system.ref(address).tell_nowait(order)
+            except ActorError as exc:
+                log.warning("could not tell %s of the new coordinator: %s", address, exc)
+
+    def _check_fence(self) -> bool:
+        """True (and nothing more is done) once a later coordinator epoch runs the job."""
+        if not self.fenced and durable.epoch_now(self.config) > self.epoch:
+            self.fenced = True
+            self.state = "fenced"
+            log.error("fenced: coordinator epoch %d runs job %s now; this one (epoch %d) changes nothing more",
+                      durable.epoch_now(self.config), self.config.job.name, self.epoch)
+            self.finished.set()
+        return self.fenced
+
+    @handler
+    def follow(self, msg: FollowJob) -> JobState:
+        doc = {
+            "meta": durable.job_state(self.report, self.wall(), self.samples(), {}),
+            "ps": self.shards.follow(),
+            "mode": getattr(self.job, "follow", dict)(),
+            "tell": self._members_to_tell(),
+            "last_eval_wall": self._last_eval_wall,
+        }
+        return JobState(self.epoch, self.state, json.dumps(doc))
+
+    def _members_to_tell(self) -> list[str]:
+        addresses = set(self.shards.addresses())
+        addresses.update(getattr(self.job, "addresses", list)())
+        return sorted(addresses)
 
     async def on_stop(self) -> None:
         """The node is shutting down (SIGTERM, Ctrl-C): whatever ran still gets its summary."""
@@ -208,7 +294,7 @@ class JobRunner(Actor):
     # -- the tick: liveness, evaluation, stop rules ---------------------------------
     @handler
     async def tick(self, msg: _Tick) -> None:
-        if self._ending is not None:
+        if self._ending is not None or self._check_fence():
             return
         try:
             self.shards.check(time.monotonic())
@@ -240,6 +326,8 @@ class JobRunner(Actor):
         mode_meta, parts = self.job.checkpoint()
         meta = durable.job_state(self.report, self.wall(), self.samples(), mode_meta)
         parts = {**durable.shard_parts(self.shards.snapshots), **parts}
+        if self._check_fence():
+            return
         try:
             path = await self.run_blocking(durable.write, self.store, parts, meta)
         except OSError as exc:
@@ -328,6 +416,8 @@ class JobRunner(Actor):
 
         ``quick`` (the node is stopping, its peers too): no last evaluation, no asking for statistics.
         """
+        if self._check_fence():
+            return
         train_wall, train_samples = self.wall(), self.samples()
         self._wall_at_end = train_wall
         self.report.set_metric("train_samples_per_s", train_samples / train_wall if train_wall > 0 else 0.0)
@@ -343,6 +433,8 @@ class JobRunner(Actor):
         wall = max(train_wall, self.report.history[-1].wall_s) if self.report.history else train_wall
         self._wall_at_end = wall
         self.report.finish(wall, max(train_samples, self.report.samples), reason)
+        if self._check_fence():  # taken over while it ended: the new coordinator writes the summary
+            return
         self.summary_path = str(await self.run_blocking(self.report.write_outputs, self.config.output_dir))
         self.state = state
         log.info("job %s: %s; summary in %s", state, reason, self.summary_path)

@@ -75,6 +75,10 @@ class Runner(Protocol):
         """The run's report (a mode adds the bytes its workers moved)."""
 
     @property
+    def epoch(self) -> int:
+        """The coordinator epoch it runs the job as: every order it sends carries it (a later one fences it)."""
+
+    @property
     def liveness_s(self) -> float:
         """A worker silent this long is taken for dead."""
 

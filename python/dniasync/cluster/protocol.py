@@ -18,7 +18,9 @@ from ..actors import ActorRef, message
 __all__ = [
     "COORDINATOR_NAME",
     "Assignment",
+    "FollowJob",
     "JobStatus",
+    "JobState",
     "JobStatusReply",
     "JoinJob",
     "NoJob",
@@ -98,3 +100,20 @@ class JobStatusReply:
     summary: str
     """Path of the summary JSON once finished."""
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@message("dniasync.job.FollowJob")
+@dataclass(frozen=True)
+class FollowJob:
+    """Ask (a standby coordinator, twice a second): the job's state, to take it over if the runner dies."""
+
+
+@message("dniasync.job.JobState")
+@dataclass(frozen=True)
+class JobState:
+    """What a standby needs to go on with the job: ``document`` is JSON (report, clock, samples, the PS
+    shards' and the mode's members with their refs' addresses); plain data, no pickle."""
+
+    epoch: int
+    state: str
+    document: str

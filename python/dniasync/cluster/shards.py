@@ -16,9 +16,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
-from ..actors import ActorError, ActorRef
+from ..actors import ActorError, ActorRef, ActorSystem
 from ..train.messages import ShardSnapshot, SnapshotShard
 from ..train.specs import ShardResume, ShardSpec
 from .mode_api import JobFailed
@@ -112,6 +112,23 @@ class ShardKeeper:
         if self.placed:
             log.info("all %d PS shards ready", len(self.refs))
         return True
+
+    # -- a standby coordinator's view ----------------------------------------------------
+    def follow(self) -> list[list[Any]]:
+        """``[member, incarnation, shard, ref address]`` of every hosted shard (a standby adopts them)."""
+        return [[member, host.incarnation, host.shard, ref.address if (ref := self.refs[host.shard]) else ""]
+                for member, host in self._hosts.items()]
+
+    def adopt(self, system: ActorSystem, hosted: list[list[Any]]) -> None:
+        """Take over the shards a dead coordinator placed (:meth:`follow`'s list): the same processes go on."""
+        for member, incarnation, shard, address in hosted:
+            self._hosts[member] = _Host(int(shard), int(incarnation))
+            if address:
+                self.refs[int(shard)] = system.ref(address)
+
+    def addresses(self) -> list[str]:
+        """The actors a new coordinator tells of itself: each PS host and shard."""
+        return [*self._hosts, *(ref.address for ref in self.refs if ref is not None)]
 
     # -- liveness -----------------------------------------------------------------
     def check(self, now: float) -> None:

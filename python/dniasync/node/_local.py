@@ -326,8 +326,8 @@ class _Supervisor:
         if status is not None:
             self._kill_zombies(status)
         for child in list(self.cluster.children):
-            if child.role == "coordinator" or child.proc.returncode is None:
-                continue
+            if child.role not in ("ps", "worker") or child.proc.returncode is None:
+                continue  # a coordinator, a standby or a retired coordinator is not started again here
             if child.role != "ps" and not self.restart_workers:
                 continue
             if not self.restarts.allow(child.slot):
@@ -368,6 +368,57 @@ class _Supervisor:
         self.cluster.write_files(self.config.job.name)
 
 
+class _Standbys:
+    """``[job] standby``: a standby coordinator process beside the active one; when the active one dies, the
+    standby (which noticed by itself) is the coordinator, and a new standby follows it."""
+
+    def __init__(self, cluster: _Cluster, config_path: str, pumps: list[asyncio.Task[None]]) -> None:
+        self.cluster = cluster
+        self.config_path = config_path
+        self.pumps = pumps
+        self.current: _Child | None = None
+        self.started = 0
+
+    async def start(self, active: str) -> None:
+        """A standby following the coordinator at ``active``; returns once it listens."""
+        listen = ["--listen", "127.0.0.1:0"] if self.cluster.placement is None else []
+        child = await _spawn(self.cluster, "standby", self.started,
+                             ["--config", self.config_path, "--join", active, *listen])
+        self.started += 1
+        listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.pumps.append(asyncio.create_task(_pump(child, listening)))
+        child.address = await asyncio.wait_for(listening, STARTUP_TIMEOUT_S)
+        self.current = child
+
+    def exited(self) -> bool:
+        """The standby process itself ended (it is started again)."""
+        return self.current is not None and self.current.proc.returncode is not None
+
+    async def took_over(self, system: ActorSystem) -> bool:
+        """Whether the standby runs the job now (it took it over from a coordinator silent too long)."""
+        if self.current is None or self.current.proc.returncode is not None:
+            return False
+        try:
+            await system.ref(f"{COORDINATOR_NAME}@{self.current.address}").ask(JobStatus(), timeout=2.0)
+        except ActorError:
+            return False
+        return True
+
+    async def promote(self, old: _Child, out: IO[str]) -> _Child:
+        """The standby took the job over from ``old`` (dead, or silent too long): it is the coordinator now, and a
+        new standby follows it. ``old``, if it wakes, finds itself fenced."""
+        active = self.current
+        assert active is not None
+        code = old.proc.returncode
+        why = f"exited ({code})" if code is not None else "stopped answering"
+        print(f"\nthe coordinator {why}; the standby at {active.address} took the job over (see {active.log})",
+              file=out, flush=True)
+        old.role, active.role = "retired", "coordinator"
+        self.current = None
+        await self.start(active.address)
+        return active
+
+
 async def _run(config_path: str, config: Config, out: IO[str], resume: bool, placement: Placement | None) -> int:
     cluster = _Cluster(Path(config.output_dir), placement=placement)
     dilation = 1.0 if placement is None else placement.dilation
@@ -403,6 +454,9 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool, pla
             print(f"  see {coordinator.log}", file=sys.stderr)
             return 1
 
+        standbys = _Standbys(cluster, config_path, pumps) if config.job.standby else None
+        if standbys is not None:
+            await standbys.start(coordinator.address)
         mode = get_mode(config.mode)
         n_ps, n_workers = mode.processes(config)
         supervisor = _Supervisor(cluster, config, ["--join", coordinator.address], out, pumps)
@@ -422,7 +476,7 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool, pla
             status: JobStatusReply | None = None
             last_line = 0.0
             while not stop.is_set():
-                if coordinator.proc.returncode is not None:
+                if coordinator.proc.returncode is not None and (standbys is None or standbys.current is None):
                     print(f"\nerror: the coordinator exited ({coordinator.proc.returncode}); see {coordinator.log}",
                           file=sys.stderr)
                     return 1
@@ -430,6 +484,14 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool, pla
                     status = await trainer.ask(JobStatus(), timeout=5.0)
                 except ActorError:
                     status = None
+                if status is None and standbys is not None and await standbys.took_over(system):
+                    coordinator = await standbys.promote(coordinator, out)
+                    trainer = system.ref(f"{COORDINATOR_NAME}@{coordinator.address}")
+                    supervisor.join = ["--join", coordinator.address]  # processes started from now on
+                    cluster.write_files(config.job.name)
+                    continue
+                if standbys is not None and standbys.exited():
+                    await standbys.start(coordinator.address)
                 if status is None or status.state not in ("finished", "failed"):
                     failing = await supervisor.check(status)
                     if failing is not None:

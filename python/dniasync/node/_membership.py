@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from ..actors import Actor, ActorError, ActorRef, Backoff, handler, message
 from ..remote import WebSocketTransport
+from ..train.messages import CoordinatorEpoch
 
 __all__ = [
     "COORDINATOR",
@@ -205,6 +206,20 @@ class Membership(Actor):
     @handler
     def get_members(self, msg: GetMembers) -> Members:
         return Members(sorted(self.members.values(), key=lambda m: m.node))
+
+    @handler
+    async def coordinator_epoch(self, msg: CoordinatorEpoch) -> None:
+        """A standby coordinator took the job over: join its table."""
+        node = msg.runner.partition("@")[2]
+        if node == self.coordinator:
+            return
+        self.coordinator = node
+        try:
+            members: Members = await self.coordinator_ref().ask(self.join_message(), timeout=5.0)
+        except ActorError as exc:
+            log.warning("joining the new coordinator %s failed: %s", node, exc)
+            return
+        self.members = {m.node: m for m in members.members}
 
     @handler
     async def peer_event(self, msg: _PeerEvent) -> None:

@@ -17,6 +17,7 @@ from ..cluster.config import Config, load_config
 from ..cluster.hosts import Host
 from ..cluster.modes._data_parallel import WORKER_HOST
 from ..cluster.protocol import COORDINATOR_NAME
+from ._membership import MEMBERSHIP
 from ._roles import NodeContext, register_role, start_coordinator, start_member
 
 if TYPE_CHECKING:
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
 # torch and the training actors are imported only by nodes that train: a plain
 # cluster member starts in a fraction of a second without them.
 
-__all__ = ["job_config_path", "start_training_coordinator", "start_training_ps", "start_training_worker"]
+__all__ = ["job_config_path", "start_training_coordinator", "start_training_ps", "start_training_standby",
+           "start_training_worker"]
 
 log = logging.getLogger("dniasync.node")
 
@@ -81,6 +83,29 @@ async def start_training_coordinator(context: NodeContext) -> None:
     log.info("running job %s (%s) from %s", config.job.name, config.mode, path)
 
 
+async def start_training_standby(context: NodeContext) -> None:
+    """A standby coordinator: follows the job's runner at ``--join`` and takes the job over if it dies."""
+    from ..cluster.standby import STANDBY_NAME, Standby
+
+    path = job_config_path(context.options.get("config"))
+    if path is None or context.join is None:
+        raise ResumeError("a standby coordinator needs the job's config (--config JOB.toml) and the coordinator "
+                          "to follow (--join HOST:PORT)")
+    import torch
+
+    torch.set_num_threads(1)
+    await start_coordinator(context)  # the cluster's members join its table once it takes over
+    config = load_config(path)
+    await context.system.spawn(Standby, config, context.join, detect_s=context.options["settings"].detect_s,
+                               also_tell=(MEMBERSHIP,), name=STANDBY_NAME)
+    log.info("standby coordinator for job %s, following %s", config.job.name, context.join)
+
+
+async def start_training_ps(context: NodeContext) -> None:
+    await start_member(context)
+    await context.system.spawn(Host, _trainer(context), "ps", name="ps-host")
+
+
 async def start_training_ps(context: NodeContext) -> None:
     await start_member(context)
     await context.system.spawn(Host, _trainer(context), "ps", name="ps-host")
@@ -92,5 +117,6 @@ async def start_training_worker(context: NodeContext) -> None:
 
 
 register_role("coordinator", start_training_coordinator)
+register_role("standby", start_training_standby, needs_join=True)
 register_role("ps", start_training_ps, needs_join=True)
 register_role("worker", start_training_worker, needs_join=True)

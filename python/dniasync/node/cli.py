@@ -225,7 +225,7 @@ def resolve_options(args: argparse.Namespace, *, token: bytes | None = None) -> 
                 parse_hostport(options[key])
             except ValueError as exc:
                 raise _UsageError(f"--{key}: {exc}") from None
-    if role == "coordinator" and "config" in options:
+    if role in ("coordinator", "standby") and "config" in options:
         try:
             if _training.job_config_path(options["config"]) is not None:
                 load_config(options["config"])  # a bad job config fails here, naming the key
@@ -286,7 +286,7 @@ async def run_node(options: dict[str, Any]) -> int:
         )
         node_metrics = NodeMetrics(system, role, transport)
         mount_metrics(transport.app, node_metrics)
-        live = LivePage(transport, node_metrics) if role == "coordinator" else None
+        live = LivePage(transport, node_metrics) if role in ("coordinator", "standby") else None
         if live is not None:
             live.mount(transport.app)
         try:
@@ -352,8 +352,8 @@ async def _serve_operator(
 
 
 async def _join(context: NodeContext) -> bool:
-    if context.join is None or context.membership is None:
-        return False
+    if context.join is None or context.membership is None or context.role == "standby":
+        return False  # a standby keeps a coordinator's table of its own, joined once it takes over
     membership = context.membership
     coordinator = context.system.ref(f"{COORDINATOR}@{context.join}")
     join = Join(context.transport.address, context.role, context.transport.incarnation, membership)

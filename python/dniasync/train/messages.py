@@ -13,8 +13,8 @@ import numpy as np
 
 from ..actors import message
 
-__all__ = ["Fence", "Params", "ParamsDelta", "Progress", "Pull", "PullDelta", "Push", "Reshard", "ShardSnapshot",
-           "ShardStats", "Shards", "SnapshotShard", "StopTraining"]
+__all__ = ["CoordinatorEpoch", "Fence", "Params", "ParamsDelta", "Progress", "Pull", "PullDelta", "Push", "Reshard",
+           "ShardSnapshot", "ShardStats", "Shards", "SnapshotShard", "StopTraining", "fenced"]
 
 
 @message("dniasync.train.Pull")
@@ -105,6 +105,8 @@ class Fence:
     """Refuse every further push from this replica id (declared dead)."""
 
     replica: str
+    epoch: int = 0
+    """The coordinator epoch that sent it: one below the highest a receiver has seen is refused."""
 
 
 @message("dniasync.train.SnapshotShard")
@@ -154,6 +156,8 @@ class Shards:
     """The data shards a replica now owns, each with the cursor to resume from."""
 
     cursors: list[list[int]]
+    epoch: int = 0
+    """The coordinator epoch that sent it (see :class:`CoordinatorEpoch`)."""
 
 
 @message("dniasync.train.Progress")
@@ -182,3 +186,22 @@ class Progress:
 @dataclass(frozen=True)
 class StopTraining:
     reason: str
+    epoch: int = 0
+    """The coordinator epoch that sent it (see :class:`CoordinatorEpoch`)."""
+
+
+@message("dniasync.train.CoordinatorEpoch")
+@dataclass(frozen=True)
+class CoordinatorEpoch:
+    """A standby coordinator took the job over: report to ``runner`` from now on, and refuse every order
+    (:class:`StopTraining`, :class:`Shards`, :class:`Fence`) that carries an epoch below ``epoch``: it comes
+    from a coordinator that was taken for dead and woke up (fencing)."""
+
+    epoch: int
+    runner: str
+    """The new job runner's address (``trainer@host:port``)."""
+
+
+def fenced(epoch: int, known: int) -> bool:
+    """An order from coordinator epoch ``epoch`` where ``known`` is the highest seen: refused if below it."""
+    return epoch < known

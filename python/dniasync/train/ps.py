@@ -28,6 +28,7 @@ from .. import _core
 from ..actors import Actor, handler
 from .compression import Codec, CompressedTensor, DeltaCodec, make_codec, values_digest
 from .messages import (
+    CoordinatorEpoch,
     Fence,
     Params,
     ParamsDelta,
@@ -38,6 +39,7 @@ from .messages import (
     ShardSnapshot,
     ShardStats,
     SnapshotShard,
+    fenced,
 )
 from .sparse import span_array, span_values
 from .specs import OptimizerSpec, ShardSpec
@@ -86,6 +88,8 @@ class PSShard(Actor):
         self._seq = 0
         self.ledger = PushLedger()
         self.fenced: set[str] = set()
+        self.epoch = 0
+        """The highest coordinator epoch heard from: a fence from a lower one is refused."""
         resume = spec.resume
         if resume is not None:
             for slot, values in enumerate(resume.state, start=1):
@@ -246,7 +250,15 @@ class PSShard(Actor):
         return ShardSnapshot(self.shard, values, version, state, self.ledger.snapshot(), sorted(self.fenced))
 
     @handler
+    def coordinator_epoch(self, msg: CoordinatorEpoch) -> None:
+        self.epoch = max(self.epoch, msg.epoch)
+
+    @handler
     def fence(self, msg: Fence) -> None:
+        if fenced(msg.epoch, self.epoch):
+            log.warning("PS shard %d: refused a fence of %s from coordinator epoch %d (now %d)", self.shard,
+                        msg.replica, msg.epoch, self.epoch)
+            return
         self.fenced.add(msg.replica)
         self.followers.pop(msg.replica, None)
 

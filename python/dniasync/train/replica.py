@@ -34,7 +34,7 @@ from ..actors import Actor, ActorError, ActorRef, handler, message
 from .data import DataCursor
 from .flat import FlatModel
 from .schedules import make_schedule
-from .messages import Progress, Shards, StopTraining
+from .messages import CoordinatorEpoch, Progress, Shards, StopTraining, fenced
 from .specs import ReplicaSpec
 from .sync import SyncContext, WeightSync, build_sync
 from .telemetry import track_replica
@@ -73,6 +73,8 @@ class Replica(Actor):
         self._batches = 0
         self._epoch = 0.0
         self._sync_built = False
+        self.epoch = 0
+        """The highest coordinator epoch heard from: orders from a lower one are refused."""
 
     async def on_start(self) -> None:
         self.coordinator: ActorRef = self.system.ref(self.spec.coordinator)
@@ -264,8 +266,26 @@ class Replica(Actor):
 
     # -- control ------------------------------------------------------------
     @handler
+    def coordinator_epoch(self, msg: CoordinatorEpoch) -> None:
+        """A standby coordinator took the job over: report to it, refuse the orders of the one before."""
+        if fenced(msg.epoch, self.epoch):
+            return
+        self.epoch = msg.epoch
+        self.coordinator = self.system.ref(msg.runner)
+        log.info("replica %s: coordinator epoch %d at %s", self.name, msg.epoch, msg.runner)
+
+    def _refused(self, what: str, epoch: int) -> bool:
+        if fenced(epoch, self.epoch):
+            log.warning("replica %s: refused %s from coordinator epoch %d (now %d)", self.name, what, epoch,
+                        self.epoch)
+            return True
+        return False
+
+    @handler
     def shards(self, msg: Shards) -> None:
         """The runner changed which data shards this replica trains."""
+        if self._refused("new data shards", msg.epoch):
+            return
         idle = not self.cursors
         self._set_cursors(msg.cursors)
         log.info("replica %s: now training shards %s", self.name, sorted(self.cursors))
@@ -274,6 +294,8 @@ class Replica(Actor):
 
     @handler
     async def stop_training(self, msg: StopTraining) -> None:
+        if self._refused(f"a stop ({msg.reason})", msg.epoch):
+            return
         if self.running:
             self.running = False
             await self._report()

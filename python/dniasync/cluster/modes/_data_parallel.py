@@ -21,7 +21,7 @@ import numpy as np
 
 from ...actors import ActorError, ActorRef, Directive
 from ...train.data import DataCursor
-from ...train.messages import Fence, Progress, Shards, StopTraining
+from ...train.messages import CoordinatorEpoch, Fence, Progress, Shards, StopTraining
 from ...train.specs import ReplicaSpec
 from ..mode_api import Snapshot
 from ..plan import data_spec, model_spec, optimizer_spec
@@ -154,6 +154,8 @@ class DataParallelJob:
         state = self.replicas.get(replica_name(ready.member))
         if state is not None and state.incarnation == ready.incarnation and ready.refs:
             state.ref = ready.refs[0]
+            if self.runner.epoch > 1:  # orders from an earlier coordinator that woke up are refused from now on
+                state.ref.tell_nowait(CoordinatorEpoch(self.runner.epoch, self.runner.ref.address))
             self.runner.mark_started()  # the clock starts with the first replica that has its data and model
             if self.runner.ending:  # it came up after the job ended: it has nothing to train
                 await self.stop_one(state, "the job has ended")
@@ -201,7 +203,7 @@ class DataParallelJob:
         for ps in self.runner.ps:
             if ps is not None:
                 try:
-                    ps.tell_nowait(Fence(name))
+                    ps.tell_nowait(Fence(name, self.runner.epoch))
                 except ActorError as exc:
                     log.warning("could not fence %s on %s: %s", name, ps, exc)
         for shard in sorted(state.shards):
@@ -224,7 +226,7 @@ class DataParallelJob:
             cursors = [[self.cursors[s].shard, self.cursors[s].epoch, self.cursors[s].position]
                        for s in sorted(donor.shards)]
             try:
-                donor.ref.tell_nowait(Shards(cursors))
+                donor.ref.tell_nowait(Shards(cursors, self.runner.epoch))
             except ActorError as exc:
                 log.warning("could not take shard %d from %s: %s", shard, donor_name, exc)
         return {shard}
@@ -251,9 +253,47 @@ class DataParallelJob:
             if state.ref is None:
                 continue  # it starts with the cursors of its assignment
             try:
-                state.ref.tell_nowait(Shards(cursors))
+                state.ref.tell_nowait(Shards(cursors, self.runner.epoch))
             except ActorError as exc:
                 log.warning("could not hand shards to %s: %s", name, exc)
+
+    # -- a standby coordinator's view ----------------------------------------------------
+    def follow(self) -> dict[str, Any]:
+        """The replicas, data shards and cursors as JSON: what a standby coordinator adopts if this one dies."""
+        return {
+            "replicas": {name: {"member": r.member, "incarnation": r.incarnation, "shards": sorted(r.shards),
+                                "ref": r.ref.address if r.ref is not None else "", "reported": r.reported,
+                                "status": r.status, "samples": r.samples, "steps": r.steps,
+                                "bytes_pushed": r.bytes_pushed, "bytes_pulled": r.bytes_pulled,
+                                "dense_bytes_pushed": r.dense_bytes_pushed, "batch_size": r.batch_size}
+                         for name, r in self.replicas.items()},
+            "cursors": [[c.shard, c.epoch, c.position] for c in self.cursors.values()],
+            "samples_before": self.samples_before, "steps_before": self.steps_before,
+        }
+
+    def adopt(self, doc: dict[str, Any]) -> None:
+        """Go on with the replicas :meth:`follow` described: the same processes train on, now reporting here."""
+        now = time.monotonic()
+        self.cursors = {s: DataCursor(s, e, p) for s, e, p in doc["cursors"]}
+        self.samples_before, self.steps_before = int(doc["samples_before"]), int(doc["steps_before"])
+        self.owners = {s: None for s in self.owners}
+        for name, r in doc["replicas"].items():
+            ref = self.runner.system.ref(r["ref"]) if r["ref"] else None
+            state = _Replica(r["member"], int(r["incarnation"]), now, set(r["shards"]), ref, last_seen=now,
+                             reported=bool(r["reported"]), status=r["status"], samples=int(r["samples"]),
+                             steps=int(r["steps"]), bytes_pushed=int(r["bytes_pushed"]),
+                             bytes_pulled=int(r["bytes_pulled"]), dense_bytes_pushed=int(r["dense_bytes_pushed"]),
+                             batch_size=int(r["batch_size"]))
+            self.replicas[name] = state
+            if state.status == "alive":
+                for shard in state.shards:
+                    self.owners[shard] = name
+        self._reassign()  # a data shard the dead coordinator had not handed on yet
+
+    def addresses(self) -> list[str]:
+        """The actors a new coordinator tells of itself: each replica and its host."""
+        return [a for r in self.replicas.values() if r.status == "alive"
+                for a in (r.member, r.ref.address if r.ref is not None else "") if a]
 
     # -- figures ----------------------------------------------------------------------
     def samples(self) -> int:
@@ -297,7 +337,7 @@ class DataParallelJob:
     async def stop_one(self, state: _Replica, reason: str) -> None:
         if state.ref is not None:
             try:
-                state.ref.tell_nowait(StopTraining(reason))
+                state.ref.tell_nowait(StopTraining(reason, self.runner.epoch))
             except ActorError:
                 pass
 
