@@ -62,15 +62,17 @@ compute-bound model, the MLP 784-2048-2048-10 (one step's compute dominates
 its messaging), same data and batch, evaluated every 0.5 s, ``--big-reps``
 (3) runs of ``--big-seconds`` (20): ``big_torch_all_cores`` (one process,
 ``torch.set_num_threads(os.cpu_count())``, Adagrad lr 0.05) beside
-``big_torch_ddp``, ``big_torch_hogwild``, ``big_dniasync_downpour`` and
-``big_dniasync_hogwild`` (2 processes of 1 thread each, the example configs
-with only the model sizes changed): every system gets all the cores; and
+``big_torch_ddp``, ``big_torch_hogwild``, ``big_dniasync_downpour``,
+``big_dniasync_downpour_shm`` (Downpour whose PS is a shared-memory store:
+examples/downpour_shm_mnist.toml) and ``big_dniasync_hogwild`` (2 processes of
+1 thread each, the example configs with only the model sizes, and the lrs
+``--big-lr`` names, changed): every system gets all the cores; and
 ``big_torch_single`` (one thread) for context.
 
 Ratios (bigger is better): hogwild_vs_torch_hogwild (samples/s),
 downpour_vs_ddp (DDP's time to 92% / Downpour's), codec_bytes_reduction
 (bytes pushed per sample without the codec / with it),
-downpour_vs_torch_all_cores and hogwild_vs_torch_all_cores (all-core torch's
+downpour_vs_torch_all_cores, downpour_shm_vs_torch_all_cores and hogwild_vs_torch_all_cores (all-core torch's
 time to 92% / dniasync's on the compute-bound model, median of the ratios
 within back-to-back runs). Also in results: threshold_accuracy_gap_points
 (uncompressed minus threshold held-out accuracy, in points, at the same
@@ -116,14 +118,15 @@ ADAGRAD_LR = 0.05  # examples/downpour_mnist.toml
 HOGWILD_LR = 0.1  # torch Hogwild (the PyTorch mnist_hogwild recipe's SGD)
 DNIASYNC_HOGWILD_LR = 0.02  # examples/hogwild_mnist.toml (Adagrad)
 BIG_LR = {"hogwild_mnist.toml": 0.05}
-"""The compute-bound model's lr where it is not the example's: Hogwild's Adagrad at 0.05 reached 92% in 4.7 s
-against all-core torch's 7.0 s (issue #27); 0.02, the small MLP's best, was not measured there."""
+"""The compute-bound model's lr where it is not the example's (``--big-lr`` sets them): Hogwild's Adagrad at 0.05
+reached 92% in 4.7 s against all-core torch's 7.0 s (issue #27)."""
 ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 DNIASYNC = {
     "dniasync_downpour": "downpour_mnist.toml",
     "dniasync_downpour_threshold": "downpour_mnist_threshold.toml",
     "dniasync_hogwild": "hogwild_mnist.toml",
+    "dniasync_downpour_shm": "downpour_shm_mnist.toml",
 }
 LABELS = {
     "torch_single": "torch, 1 process (Adagrad)",
@@ -138,6 +141,7 @@ LABELS = {
     "big_torch_single": "torch, 1 process, 1 thread (Adagrad)",
     "big_dniasync_downpour": "dniasync Downpour, 2 replicas + 2 PS",
     "big_dniasync_hogwild": "dniasync Hogwild, 2 procs (Adagrad)",
+    "big_dniasync_downpour_shm": "dniasync Downpour, 2 replicas, shared-memory PS",
 }
 
 
@@ -444,9 +448,9 @@ def run_system(name: str, seconds: float, work: Path, log: Path) -> dict[str, An
 
 PAIRS = [("torch_hogwild", "dniasync_hogwild"), ("torch_ddp", "dniasync_downpour"),
          ("dniasync_downpour_threshold", "torch_single")]
-BIG_SYSTEMS = ["big_torch_all_cores", "big_dniasync_hogwild", "big_dniasync_downpour", "big_torch_ddp",
-               "big_torch_hogwild", "big_torch_single"]
-BIG_BLOCKS = [("big_torch_all_cores", "big_dniasync_hogwild", "big_dniasync_downpour"),
+BIG_SYSTEMS = ["big_torch_all_cores", "big_dniasync_hogwild", "big_dniasync_downpour", "big_dniasync_downpour_shm",
+               "big_torch_ddp", "big_torch_hogwild", "big_torch_single"]
+BIG_BLOCKS = [("big_torch_all_cores", "big_dniasync_hogwild", "big_dniasync_downpour", "big_dniasync_downpour_shm"),
               ("big_torch_ddp", "big_torch_hogwild", "big_torch_single")]
 
 
@@ -537,7 +541,18 @@ def main() -> None:
                    help="runs of every compute-bound system (default 3; 1 with --quick)")
     p.add_argument("--big-seconds", type=float, default=None,
                    help="training seconds per compute-bound run (default 20; 5 with --quick)")
+    p.add_argument("--big-lr", action="append", default=[], metavar="EXAMPLE=LR",
+                   help="the compute-bound model's lr for a dniasync example (repeatable), e.g. "
+                        "hogwild_mnist.toml=0.02; default " + ", ".join(f"{k}={v}" for k, v in BIG_LR.items()))
     args = p.parse_args()
+    for item in args.big_lr:
+        example, sep, lr = item.partition("=")
+        if not sep or example not in DNIASYNC.values():
+            p.error(f"--big-lr {item!r}: expected EXAMPLE=LR with EXAMPLE one of {', '.join(DNIASYNC.values())}")
+        try:
+            BIG_LR[example] = float(lr)
+        except ValueError:
+            p.error(f"--big-lr {item!r}: {lr!r} is not a number")
     reps = args.reps or (1 if args.quick else 3)
     seconds = args.seconds or (3.0 if args.quick else 5.0)
     big_reps = args.big_reps or (1 if args.quick else 3)
@@ -584,9 +599,9 @@ def main() -> None:
             "model": f"mlp {'-'.join(map(str, BIG_SIZES))} relu, seed 0", "train_seconds": big_seconds,
             "reps": big_reps, "eval_every_s": BIG_EVAL_S,
             "torch_threads_per_process": {"big_torch_all_cores": os.cpu_count(), "others": 1},
-            "optimizers": "Adagrad lr 0.05: all-core torch, DDP, Downpour and dniasync Hogwild (BIG_LR); SGD lr "
-                          "0.1: torch Hogwild; dniasync runs the example configs with only the model sizes (and "
-                          "Hogwild's lr) changed",
+            "optimizers": "Adagrad lr 0.05: all-core torch, DDP, Downpour; SGD lr 0.1: torch Hogwild; dniasync "
+                          "runs the example configs with only the model sizes (and the lrs of big_lr) changed",
+            "big_lr": dict(BIG_LR),
         },
     }
     ratios: dict[str, float] = {}
@@ -602,6 +617,8 @@ def main() -> None:
         "downpour_vs_ddp": paired(runs, "torch_ddp", "dniasync_downpour", "time_to_92_s"),
         "downpour_vs_torch_all_cores": paired(runs, "big_torch_all_cores", "big_dniasync_downpour", "time_to_92_s"),
         "hogwild_vs_torch_all_cores": paired(runs, "big_torch_all_cores", "big_dniasync_hogwild", "time_to_92_s"),
+        "downpour_shm_vs_torch_all_cores": paired(runs, "big_torch_all_cores", "big_dniasync_downpour_shm",
+                                                  "time_to_92_s"),
     }
     per_rep_context = {  # the torch alternatives on the compute-bound model, against all-core torch
         "ddp_vs_torch_all_cores": paired(runs, "big_torch_all_cores", "big_torch_ddp", "time_to_92_s"),
@@ -650,7 +667,8 @@ def main() -> None:
                     f" points at the end, {fmt(results['threshold_accuracy_gap_points_mean_second_half'], '.2f')}"
                     " averaged over the second half")
     goals = {"hogwild_vs_torch_hogwild": 1.0, "downpour_vs_ddp": 1.0, "codec_bytes_reduction": 100.0,
-             "downpour_vs_torch_all_cores": 1.0, "hogwild_vs_torch_all_cores": 1.0}
+             "downpour_vs_torch_all_cores": 1.0, "hogwild_vs_torch_all_cores": 1.0,
+             "downpour_shm_vs_torch_all_cores": 1.0}
     _common.say("\n" + _common.table([(k, f"{v:.2f}", f">= {goals[k]:g}") for k, v in ratios.items()],
                                       ("ratio", "value", "goal")))
     _common.say(f"\nwrote {path} and {png}")
