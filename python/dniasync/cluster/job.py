@@ -30,7 +30,7 @@ from ..train.checkpoint import CheckpointError, LoadedCheckpoint
 from ..train.messages import CoordinatorEpoch, Progress
 from . import durable
 from .config import Config
-from .mode_api import JobFailed, ModeJob, Snapshot
+from .mode_api import Adoptable, JobFailed, ModeJob, Snapshot
 from .modes import get_mode
 from .protocol import Assignment, FollowJob, JobState, JobStatus, JobStatusReply, JoinJob, NoJob, Ready
 from .report import RunReport
@@ -168,10 +168,9 @@ class JobRunner(Actor):
         doc = takeover.document
         durable.restore_report(self.report, doc["meta"])
         self.shards.adopt(self.system, doc["ps"])
-        adopt = getattr(self.job, "adopt", None)
-        if adopt is None:  # config refuses job.standby for such modes: this is a defect if reached
+        if not isinstance(self.job, Adoptable):  # config refuses job.standby for such modes: a defect if reached
             raise RuntimeError(f"mode {self.config.mode} cannot be taken over by a standby coordinator")
-        adopt(doc["mode"])
+        self.job.adopt(doc["mode"])
         gap = time.monotonic() - takeover.followed_at
         self._wall_before = float(doc["meta"]["wall_s"]) + gap  # its members trained on meanwhile
         self.mark_started()
@@ -201,7 +200,7 @@ class JobRunner(Actor):
         doc = {
             "meta": durable.job_state(self.report, self.wall(), self.samples(), {}),
             "ps": self.shards.follow(),
-            "mode": getattr(self.job, "follow", dict)(),
+            "mode": self.job.follow() if isinstance(self.job, Adoptable) else {},
             "tell": self._members_to_tell(),
             "last_eval_wall": self._last_eval_wall,
         }
@@ -209,7 +208,8 @@ class JobRunner(Actor):
 
     def _members_to_tell(self) -> list[str]:
         addresses = set(self.shards.addresses())
-        addresses.update(getattr(self.job, "addresses", list)())
+        if isinstance(self.job, Adoptable):
+            addresses.update(self.job.addresses())
         return sorted(addresses)
 
     async def on_stop(self) -> None:
@@ -366,6 +366,8 @@ class JobRunner(Actor):
         return self.wall() - self._last_eval_wall >= (every.interval_s or 2.0)
 
     def _maybe_evaluate(self) -> None:
+        if self.takeover is not None and isinstance(self.job, Adoptable) and not self.job.reported():
+            return  # just taken over: the members' counts (each evaluation's samples) are not current yet
         if (self._eval_task is None or self._eval_task.done()) and self._eval_due():
             self._last_eval_wall = self.wall()
             self._eval_task = asyncio.create_task(self._evaluate(), name=f"{self.config.job.name}-eval")

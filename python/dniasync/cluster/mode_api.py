@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
     from ..actors import ActorRef, ActorSystem
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .protocol import Assignment, JoinJob, NoJob, Ready
     from .report import RunReport
 
-__all__ = ["Hoster", "JobFailed", "Mode", "ModeJob", "Runner", "Snapshot"]
+__all__ = ["Adoptable", "Hoster", "JobFailed", "Mode", "ModeJob", "Runner", "Snapshot"]
 
 R = TypeVar("R")
 
@@ -156,6 +156,23 @@ class ModeJob(Protocol):
 
     async def close(self) -> None:
         """Release what the job holds (the runner is stopping)."""
+
+
+@runtime_checkable
+class Adoptable(Protocol):
+    """A mode job a standby coordinator can take over (``[job] standby``): its members as JSON, and back."""
+
+    def follow(self) -> dict[str, Any]:
+        """Its members (with their refs' addresses), data cursors and counters, as JSON."""
+
+    def adopt(self, doc: dict[str, Any]) -> None:
+        """Go on with the members :meth:`follow` described (the same processes, now reporting here)."""
+
+    def addresses(self) -> list[str]:
+        """The actors to tell of a new coordinator (hosts and what they host)."""
+
+    def reported(self) -> bool:
+        """Every adopted member has reported to this coordinator (or was declared dead): its counts are current."""
 
 
 class Mode(Protocol):

@@ -33,7 +33,7 @@ from . import durable
 from .config import Config
 from .protocol import COORDINATOR_NAME, FollowJob, JobState
 
-__all__ = ["FOLLOW_EVERY_S", "STANDBY_NAME", "Standby"]
+__all__ = ["ASK_TIMEOUT_S", "FOLLOW_EVERY_S", "STANDBY_NAME", "Standby"]
 
 log = logging.getLogger("dniasync.cluster.standby")
 
@@ -41,6 +41,9 @@ STANDBY_NAME: Final = "standby"
 """The name of the standby actor on a standby coordinator's node."""
 FOLLOW_EVERY_S: Final = 0.5
 """How often a standby asks the runner for the job's state."""
+ASK_TIMEOUT_S: Final = 1.0
+"""A follow unanswered this long is a miss, not a death (the transport's failure detector decides that): short, so
+the standby sees a declared death within about a second and a half."""
 
 
 @message("dniasync.cluster.standby.Poll")
@@ -71,7 +74,7 @@ class Standby(Actor):
     async def poll(self, msg: _Poll) -> None:
         runner = self.system.ref(f"{COORDINATOR_NAME}@{self.active}")
         try:
-            reply = await runner.ask(FollowJob(), timeout=min(self.detect_s, 2.0))
+            reply = await runner.ask(FollowJob(), timeout=ASK_TIMEOUT_S)
         except ActorNotFound:
             reply = None  # its node answers without a runner: starting, or a coordinator node without a job
         except (ActorError, TimeoutError) as exc:

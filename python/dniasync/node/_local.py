@@ -484,6 +484,8 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool, pla
                     status = await trainer.ask(JobStatus(), timeout=5.0)
                 except ActorError:
                     status = None
+                if status is not None and status.state == "fenced":
+                    status = None  # a coordinator a standby took the job over from (it woke up): ask the standby
                 if status is None and standbys is not None and await standbys.took_over(system):
                     coordinator = await standbys.promote(coordinator, out)
                     trainer = system.ref(f"{COORDINATOR_NAME}@{coordinator.address}")

@@ -118,6 +118,8 @@ class DataParallelJob:
         self.samples_before = 0
         self.steps_before = 0
         """What earlier runs of a resumed job trained."""
+        self.unreported: set[str] = set()
+        """Replicas adopted from a coordinator this one took the job over from that have not reported to it yet."""
 
     def sync_spec(self) -> object:
         """The spec of the replicas' weight sync (any registered kind's: ``ReplicaSpec.sync``); each mode narrows it."""
@@ -166,6 +168,7 @@ class DataParallelJob:
             return  # a fenced replica's late words
         state.last_seen = time.monotonic()
         state.reported = True
+        self.unreported.discard(msg.replica)
         self.runner.report.add_bytes(pushed=msg.bytes_pushed - state.bytes_pushed,
                                      pulled=msg.bytes_pulled - state.bytes_pulled)
         state.samples, state.steps = msg.samples, msg.steps
@@ -198,6 +201,7 @@ class DataParallelJob:
         if state.status != "alive":
             return
         state.status = "dead"
+        self.unreported.discard(name)
         log.warning("replica %s declared dead (%s); its data shards %s are reassigned", name, why, sorted(state.shards))
         self.runner.event(EVENT_REPLICA_FAILED, replica=name, reason=why)
         for ps in self.runner.ps:
@@ -286,9 +290,13 @@ class DataParallelJob:
                              batch_size=int(r["batch_size"]))
             self.replicas[name] = state
             if state.status == "alive":
+                self.unreported.add(name)
                 for shard in state.shards:
                     self.owners[shard] = name
         self._reassign()  # a data shard the dead coordinator had not handed on yet
+
+    def reported(self) -> bool:
+        return not self.unreported
 
     def addresses(self) -> list[str]:
         """The actors a new coordinator tells of itself: each replica and its host."""
