@@ -296,7 +296,8 @@ def _warm_up(optimizer: Any, sizes: list[int]) -> None:
 
 
 def _worker(kind: str, rank: int, world: int, model: torch.nn.Module | None, port: int, counts: Any,
-            ends: Any, finished: Any, ready: Any, go: Any, t0: Any, seconds: float, sizes: list[int]) -> None:
+            ends: Any, finished: Any, ready: Any, go: Any, t0: Any, seconds: float, sizes: list[int],
+            adagrad_lr: float = ADAGRAD_LR) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -320,14 +321,14 @@ def _worker(kind: str, rank: int, world: int, model: torch.nn.Module | None, por
     plan = ShardPlan(N_TRAIN, world, SEED)
     if kind == "ddp":
         net: torch.nn.Module = DistributedDataParallel(model)
-        opt: torch.optim.Optimizer = torch.optim.Adagrad(net.parameters(), lr=ADAGRAD_LR)
+        opt: torch.optim.Optimizer = torch.optim.Adagrad(net.parameters(), lr=adagrad_lr)
         stop_flag = torch.zeros(1)
     elif kind == "hogwild":
         net = model
         opt = torch.optim.SGD(net.parameters(), lr=HOGWILD_LR)
     else:
         net = model
-        opt = torch.optim.Adagrad(net.parameters(), lr=ADAGRAD_LR)
+        opt = torch.optim.Adagrad(net.parameters(), lr=adagrad_lr)
     epoch, step, done = 0, 0, False
     while not done:
         order = torch.from_numpy(plan.indices(rank, epoch))
@@ -406,7 +407,8 @@ def run_torch(kind: str, seconds: float, sizes: list[int] = SIZES, eval_s: float
     port = _free_port()
     procs = [
         ctx.Process(target=_worker, args=(kind, r, world, model if (kind != "ddp" or r == 0) else None, port,
-                                          counts, ends, finished, ready, go, t0, seconds, sizes))
+                                          counts, ends, finished, ready, go, t0, seconds, sizes,
+                                          BIG_LR.get("torch", ADAGRAD_LR) if sizes == BIG_SIZES else ADAGRAD_LR))
         for r in range(world)
     ]
     procs.append(ctx.Process(target=_evaluator, args=(model, world, counts, finished, ready, go, t0, eval_s, results)))
@@ -542,13 +544,15 @@ def main() -> None:
     p.add_argument("--big-seconds", type=float, default=None,
                    help="training seconds per compute-bound run (default 20; 5 with --quick)")
     p.add_argument("--big-lr", action="append", default=[], metavar="EXAMPLE=LR",
-                   help="the compute-bound model's lr for a dniasync example (repeatable), e.g. "
-                        "hogwild_mnist.toml=0.02; default " + ", ".join(f"{k}={v}" for k, v in BIG_LR.items()))
+                   help="the compute-bound model's lr for a dniasync example, or 'torch' for the torch systems' "
+                        "Adagrad (repeatable), e.g. hogwild_mnist.toml=0.02; default "
+                        + ", ".join(f"{k}={v}" for k, v in BIG_LR.items()) + f", torch={ADAGRAD_LR}")
     args = p.parse_args()
     for item in args.big_lr:
         example, sep, lr = item.partition("=")
-        if not sep or example not in DNIASYNC.values():
-            p.error(f"--big-lr {item!r}: expected EXAMPLE=LR with EXAMPLE one of {', '.join(DNIASYNC.values())}")
+        if not sep or example not in (*DNIASYNC.values(), "torch"):
+            p.error(f"--big-lr {item!r}: expected EXAMPLE=LR with EXAMPLE one of {', '.join(DNIASYNC.values())} "
+                    "or torch (the Adagrad lr of the torch systems)")
         try:
             BIG_LR[example] = float(lr)
         except ValueError:
