@@ -73,7 +73,11 @@ of the other copy would lose the shard.) Figures:
   max, >= 1 meets it);
 - ``ps_replicated_vs_single_throughput``: samples/s of the fault-free
   replicated run / the fault-free ``downpour`` run of the same invocation
-  (goal >= 0.9).
+  (goal >= 0.9). Beside it, each fault-free job's CPU seconds (every
+  process's, from ``RUSAGE_CHILDREN``) per 1,000 samples and the cores it
+  kept busy: where both jobs keep every core busy, the ratio of their CPU per
+  sample bounds the throughput ratio on this machine
+  (``throughput_bound_from_cpu``).
 
 **Checkpoint cost.** A 4.08M-parameter MLP (784-2048-1200-10): the time and
 bytes of one checkpoint of its PS state (parameters and Adagrad state, two
@@ -94,6 +98,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -234,9 +239,18 @@ def finish(launcher: subprocess.Popen[str], out: Path, timeout: float) -> dict[s
 
 
 # -- the chaos run -------------------------------------------------------------------------
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of every descendant this process has waited for: a launcher's children are
+    waited for by it, so a finished job's processes are all counted."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def fault_free(tmp: Path, epochs: int, kind: str = "downpour") -> dict[str, Any]:
     config, out = job(tmp, f"{kind}_fault_free", epochs=epochs, checkpoint_s=CHECKPOINT_S, kind=kind, standby=True)
+    cpu = _children_cpu_s()
     summary = finish(launch(config, out), out, timeout=3600)
+    summary["cpu_s"] = _children_cpu_s() - cpu  # the whole job's: launcher, coordinator(s), PS, replicas
     say(f"{kind} fault-free: {summary['stop_reason']}, {summary['wall_s']:.1f} s, final accuracy "
         f"{summary['final_accuracy']:.4f}")
     return summary
@@ -452,6 +466,15 @@ def replicated_figures(r: dict[str, Any], free: dict[str, Any], chaos: dict[str,
         rate, rate_single = free["samples"] / free["wall_s"], single["fault_free"]["samples"] / single["fault_free"]["wall_s"]
         r["samples_per_s"] = {"ps_replicas_2": rate, "ps_replicas_1": rate_single}
         ratios["ps_replicated_vs_single_throughput"] = rate / rate_single
+        # where the cores are the limit (both jobs keep every core busy), throughput goes as CPU per sample
+        per_k = {"ps_replicas_2": 1000 * free["cpu_s"] / free["samples"],
+                 "ps_replicas_1": 1000 * single["fault_free"]["cpu_s"] / single["fault_free"]["samples"]}
+        r["cpu_s_per_1000_samples"] = per_k
+        r["throughput_bound_from_cpu"] = per_k["ps_replicas_1"] / per_k["ps_replicas_2"]
+        r["cores_busy"] = {"ps_replicas_2": free["cpu_s"] / free["wall_s"],
+                           "ps_replicas_1": single["fault_free"]["cpu_s"] / single["fault_free"]["wall_s"]}
+        say(f"replicated: CPU s per 1,000 samples {per_k}, cores busy {r['cores_busy']}: on this machine the CPU "
+            f"bounds the throughput ratio at {r['throughput_bound_from_cpu']:.2f}")
     say(f"replicated: {len(recoveries)} copies killed, acknowledged pushes {acked}, kept {kept}; recovery s "
         f"{[round(t, 3) for t in times]}; samples/s {r.get('samples_per_s')}")
 
@@ -496,7 +519,7 @@ def main() -> None:
             lost_stages = stage_losses(chaos)
             r: dict[str, Any] = {"epochs": n_epochs, "target": target}
             r["fault_free"] = {k: free[k] for k in ("wall_s", "samples", "final_accuracy", "best_accuracy",
-                                                     "stop_reason", "history", "samples_per_s")}
+                                                     "stop_reason", "history", "samples_per_s", "cpu_s")}
             r["chaos"] = {k: chaos[k] for k in ("wall_s", "samples", "final_accuracy", "best_accuracy",
                                                  "stop_reason", "history", "events")}
             r["faults"] = [{**f, "survived": s_} for f, s_ in zip(faults, ok)]
