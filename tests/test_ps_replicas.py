@@ -22,7 +22,8 @@ import pytest
 
 from dniasync import ActorSystem
 from dniasync.actors import ActorRef
-from dniasync.cluster.chains import copies_placed
+from dniasync.cluster.chains import SPARE_HOST, ChainKeeper, copies_placed
+from dniasync.cluster.protocol import Assignment, JoinJob, NoJob
 from dniasync.train.chain import ChainView, CopySpec
 from dniasync.train.messages import Params, Pull, Push, ShardStats
 from dniasync.train.ps_chain import CatchingUp, ChainShard
@@ -120,6 +121,91 @@ async def test_a_route_follows_the_newest_view_the_copies_hold() -> None:
         await route.pull(Pull(), timeout=5.0)
         assert route.view.number == 2 and route.acknowledged == 2 and route.regressions == 0
         assert (await stats(b))["applied"] == 2
+
+
+async def test_a_route_finds_a_copy_that_took_a_dead_ones_place_once_the_copies_it_started_with_are_gone() -> None:
+    """A spare (or a copy back on a new address) in a dead copy's place: the replica learns of it from the views,
+    and still finds the chain when it is the only copy left."""
+    async with ActorSystem() as system:
+        a, b = [await spawn_copy(system, j) for j in range(2)]
+        await view(1, [a, b])
+        route = ChainRoute(0, [a, b], replica="r0", give_up_s=5.0)
+        await route.push(push(1, 0.5))
+        await system.stop(a)
+        await view(2, [b])
+        c = await spawn_copy(system, 2, joining=True)
+        await view(3, [b, c], joining=[c])
+        await route.push(push(2, 0.5))  # its head is gone: it learns view 3 from b
+        assert route.view.number == 3
+        await system.stop(b)
+        await view(4, [c])
+        await route.push(push(3, 0.5))  # c, which it did not start with, is all that is left
+        await route.pull(Pull(), timeout=5.0)
+        assert route.view.number == 4 and route.acknowledged == 3 and route.regressions == 0
+        assert (await params(c)).version == 3
+
+
+class _Copy:
+    """What the job runner's keeper uses of a copy's ref: its address, whether its node answers, and the views."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.is_alive = True
+        self.views: list[ChainView] = []
+
+    async def ask(self, msg: ChainView, timeout: float | None = None) -> bool:
+        self.views.append(msg)
+        return True
+
+
+async def test_a_spare_takes_the_place_of_a_copy_whose_process_is_gone_and_joins_at_the_tail() -> None:
+    """The keeper's side of ``--spares``: a spare waits (also when it asks before the PS processes), and takes the
+    place of a copy only once the chain closed around it and it still does not answer."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    spec = ShardSpec(0, 0, np.zeros(N, np.float32), OptimizerSpec("adagrad", 0.1))
+    keeper = ChainKeeper([spec], lambda kind, **details: events.append((kind, details)), lost_after_s=20.0)
+    spare, first, second = f"{SPARE_HOST}@127.0.0.1:9", "ps-host@127.0.0.1:1", "ps-host@127.0.0.1:2"
+    copies = {member: _Copy(f"ps-0@{member.partition('@')[2]}") for member in (spare, first, second)}
+
+    def join(member: str, incarnation: int = 1) -> Assignment | NoJob:
+        return keeper.place(JoinJob(member, "ps", incarnation))
+
+    async def ready(member: str) -> None:
+        assert keeper.ready(member, [copies[member]])  # type: ignore[list-item]
+        for _ in range(20):  # the views go out in tasks
+            await asyncio.sleep(0)
+
+    waiting = join(spare)
+    assert isinstance(waiting, NoJob) and waiting.retry  # not one of the first copies, though it asked first
+    for j, member in enumerate((first, second)):
+        placed = join(member)
+        assert isinstance(placed, Assignment) and placed.spec == CopySpec(spec, j)
+        await ready(member)
+    assert keeper.placed and isinstance(join(spare), NoJob)
+    copies[first].is_alive = False
+    assert isinstance(join(spare), NoJob)  # not yet cut out of its chain: nothing to take
+    keeper.check(time.monotonic())
+    taken = join(spare)
+    assert isinstance(taken, Assignment) and taken.spec == CopySpec(spec, 0, joining=True)
+    await ready(spare)
+    view = keeper.views[0]
+    assert view is not None and [ref.address for ref in view.chain] == ["ps-0@127.0.0.1:2", "ps-0@127.0.0.1:9"]
+    assert view.joining == ["ps-0@127.0.0.1:9"] and copies[spare].views[-1] == view
+    assert [kind for kind, _ in events] == ["ps_copy_down", "ps_chain", "ps_copy_replaced", "ps_chain",
+                                            "ps_copy_joined"]
+    assert events[2][1] == {"shard": 0, "copy": 0, "address": "ps-0@127.0.0.1:1", "member": spare}
+    assert events[4][1]["member"] == spare and keeper.replaced == 1
+    assert keeper.copies == [[copies[spare], copies[second]]]
+    # the dead copy's process back on its address: every copy is hosted, so it waits as a spare in turn
+    assert isinstance(join(first, incarnation=2), NoJob)
+    # a copy cut out while frozen that answers again is not replaced: it rejoins its chain
+    copies[second].is_alive = False
+    keeper.check(time.monotonic())
+    copies[second].is_alive = True
+    assert isinstance(join(first, incarnation=2), NoJob)
+    keeper.check(time.monotonic())
+    view = keeper.views[0]
+    assert view is not None and [ref.address for ref in view.chain] == ["ps-0@127.0.0.1:9", "ps-0@127.0.0.1:2"]
 
 
 # -- a real job ---------------------------------------------------------------------------------------------

@@ -13,9 +13,17 @@ detection interval): a new view without it goes to the copies left, and the
 replicas learn it from them when their next push or pull fails. A copy that
 joins again with a new incarnation (the launcher restarted its process) is
 added at the tail, and its predecessor sends it its whole state before
-forwarding it a push (state transfer while pushes continue). A shard whose
-every copy stayed down for ``lost_after_s`` ends the job; if one comes back
-first it restarts from the last snapshot, as a shard without copies does.
+forwarding it a push (state transfer while pushes continue). A PS host that
+joins when every copy is hosted (a spare: ``--role spare``, or ``--role auto
+--spares N``; or a PS process the launcher started again on a new address)
+waits; once the chain of a shard has closed around a copy that still does
+not answer, the next such host to ask takes that copy's place and joins at
+the tail the same way, so the shard is back to R copies without a restart.
+A spare's host is named :data:`SPARE_HOST`: the first copies go to the PS
+processes, whatever the order they ask in. A shard whose every copy stayed
+down for ``lost_after_s`` ends the job; if one comes back (or a spare takes
+a copy's place) first, it restarts from the last snapshot, as a shard
+without copies does.
 
 The runner's ``ps`` refs are each chain's head (fences and evaluations go
 there); :attr:`ChainKeeper.copies` is every copy, which replicas are given.
@@ -26,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -40,13 +49,24 @@ from .shards import EVENT_PS_LOST, ShardKeeper
 if TYPE_CHECKING:
     from .hosts import Host
 
-__all__ = ["EVENT_PS_CHAIN", "EVENT_PS_COPY_DOWN", "EVENT_PS_COPY_JOINED", "ChainKeeper", "copies_placed", "host_copy"]
+__all__ = [
+    "EVENT_PS_CHAIN", "EVENT_PS_COPY_DOWN", "EVENT_PS_COPY_JOINED", "EVENT_PS_COPY_REPLACED", "SPARE_HOST",
+    "SPARE_POLL_S", "SPARE_UP_S", "ChainKeeper", "copies_placed", "host_copy",
+]
 
 log = logging.getLogger("dniasync.cluster.chains")
 
 EVENT_PS_COPY_DOWN: Final = "ps_copy_down"
 EVENT_PS_COPY_JOINED: Final = "ps_copy_joined"
 EVENT_PS_CHAIN: Final = "ps_chain"
+EVENT_PS_COPY_REPLACED: Final = "ps_copy_replaced"
+SPARE_HOST: Final = "spare-host"
+"""The name of the host actor on a spare node: it asks for a copy to host like a PS node's, but takes none of the
+first copies (those go to the PS processes), only the place of one whose process is gone."""
+SPARE_POLL_S: Final = 1.0
+"""How often, at most, a waiting spare asks again: a dead copy is replaced within this of its chain closing."""
+SPARE_UP_S: Final = 60.0
+"""A spare that took a copy's place and is not up this long after (it died starting) leaves the place to another."""
 VIEW_TIMEOUT_S: Final = 70.0
 """How long a copy may take to install a view (the old tail sends a joining copy its state meanwhile)."""
 COPY_PLACED: Final = "PS shard %d copy %d (%d parameters) goes to %s"
@@ -68,6 +88,8 @@ class _Copy:
     up: bool = False
     joining: bool = False
     """Restarted: it joins at the tail once it is up."""
+    placed_at: float = 0.0
+    """When a spare took this place (0: one of the first copies, or restarted on its own address)."""
 
 
 class ChainKeeper(ShardKeeper):
@@ -87,6 +109,10 @@ class ChainKeeper(ShardKeeper):
         self._all_down: dict[int, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._locks = [asyncio.Lock() for _ in specs]
+        self._waiting: set[str] = set()
+        """PS hosts told that every copy is hosted, that ask again (spares)."""
+        self.replaced = 0
+        """Copies whose place another PS host took (their process gone)."""
 
     @property
     def placed(self) -> bool:
@@ -102,8 +128,8 @@ class ChainKeeper(ShardKeeper):
         where = self._where.get(join.member)
         if where is None:
             free = [(k, j) for j in range(self.n_copies) for k in range(len(self.specs)) if self.table[k][j] is None]
-            if not free:
-                return NoJob("every copy of every PS shard is hosted", retry=False)
+            if not free or join.member.partition("@")[0] == SPARE_HOST:
+                return self._stand_in(join)
             k, j = free[0]
             self.table[k][j] = _Copy(join.member, join.incarnation)
             self._where[join.member] = (k, j)
@@ -130,6 +156,54 @@ class ChainKeeper(ShardKeeper):
         copy.joining = False  # no copy left: it starts from the last snapshot, alone
         return Assignment(CopySpec(self._restart(k, join.member), j))
 
+    def _stand_in(self, join: JoinJob) -> Assignment | NoJob:
+        """A PS host beyond the copies: the place of a copy whose process is gone, else wait (asking again)."""
+        vacant = self._vacant()
+        if vacant is None:
+            if join.member not in self._waiting:
+                self._waiting.add(join.member)
+                log.info("%s waits as a spare: every copy of every PS shard is hosted", join.member)
+            return NoJob("every copy of every PS shard is hosted: waiting as a spare", retry=True)
+        self._waiting.discard(join.member)
+        k, j = vacant
+        gone = self.table[k][j]
+        assert gone is not None and gone.ref is not None
+        del self._where[gone.member]
+        view = self.views[k]
+        joining = view is not None and bool(view.chain)
+        # the former copy's ref stands until the new one is up (replicas assigned meanwhile get every copy)
+        self.table[k][j] = _Copy(join.member, join.incarnation, gone.ref, joining=joining,
+                                 placed_at=time.monotonic())
+        self._where[join.member] = (k, j)
+        self.replaced += 1
+        log.info(COPY_PLACED, k, j, self.specs[k].values.size, join.member)
+        log.warning("PS shard %d copy %d: %s takes the place of the copy at %s, which is gone; it %s", k, j,
+                    join.member, gone.ref.address,
+                    "joins the chain at the tail" if joining else "restarts the shard from the last snapshot")
+        self._event(EVENT_PS_COPY_REPLACED, shard=k, copy=j, address=gone.ref.address, member=join.member)
+        if joining:
+            return Assignment(CopySpec(self.specs[k], j, True))
+        return Assignment(CopySpec(self._restart(k, join.member), j))
+
+    def _vacant(self) -> tuple[int, int] | None:
+        """A copy the chain closed around whose process still does not answer, or a spare that took a place and
+        never came up (of the shard with the fewest live copies): a spare may take its place. None before the
+        chains are named."""
+        if not self._named:
+            return None
+        now = time.monotonic()
+        vacant: list[tuple[int, int, int]] = []
+        for k, row in enumerate(self.table):
+            view = self.views[k]
+            chain = {ref.address for ref in view.chain} if view is not None else set()
+            for j, copy in enumerate(row):
+                if copy is None or copy.ref is None:
+                    continue
+                gone = copy.up and not copy.ref.is_alive and copy.ref.address not in chain
+                if gone or (not copy.up and copy.placed_at and now - copy.placed_at > SPARE_UP_S):
+                    vacant.append((len(chain), k, j))
+        return min(vacant)[1:] if vacant else None
+
     def ready(self, member: str, refs: list[ActorRef]) -> bool:
         where = self._where.get(member)
         if where is None:
@@ -149,7 +223,7 @@ class ChainKeeper(ShardKeeper):
         if copy.joining and view is not None and view.chain:
             others = [ref for ref in view.chain if ref.address != copy.ref.address]
             self._install(k, [*others, copy.ref], joining=[copy.ref.address])
-            self._event(EVENT_PS_COPY_JOINED, shard=k, copy=j, address=copy.ref.address)
+            self._event(EVENT_PS_COPY_JOINED, shard=k, copy=j, address=copy.ref.address, member=member)
         else:  # restarted from a snapshot, alone
             self._install(k, [copy.ref], joining=[])
         copy.joining = False
@@ -237,7 +311,7 @@ class ChainKeeper(ShardKeeper):
                 log.warning("PS shard %d copy %d at %s answers again: it rejoins the chain at the tail", k, j,
                             ref.address)
                 self._install(k, [*view.chain, ref], joining=[ref.address])
-                self._event(EVENT_PS_COPY_JOINED, shard=k, copy=j, address=ref.address)
+                self._event(EVENT_PS_COPY_JOINED, shard=k, copy=j, address=ref.address, member=copy.member)
 
 
 async def host_copy(host: Host, spec: CopySpec) -> list[ActorRef]:

@@ -79,6 +79,7 @@ class ReplicatedDownpourJob(_DownpourJob):
         if self.keeper is None:
             return
         report.set_metric("ps_chain_changes", self.keeper.changes)
+        report.set_metric("ps_copies_replaced", self.keeper.replaced)  # by spares (their process gone)
         kept: dict[tuple[str, int], int] | None = dict(self.acknowledged)
         for k, row in enumerate(self.keeper.copies):
             view = self.keeper.views[k]

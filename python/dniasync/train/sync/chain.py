@@ -72,6 +72,9 @@ class ChainRoute:
         log.info("replica %s: shard %d chain view %d: head %s, tail %s", self.replica, self.shard, view.number,
                  view.chain[0].address, view.chain[-1].address)
         self.view = view
+        known = {ref.address for ref in self.copies}
+        # a copy that took a dead one's place (a spare) is asked for views too, once the first copies are gone
+        self.copies.extend(ref for ref in view.chain if ref.address not in known)
         return True
 
     async def _refresh(self) -> None:
