@@ -22,6 +22,7 @@ from dniasync.node._launchers import (
     place,
     resolve_auto,
     role_of_rank,
+    spares_problem,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -245,6 +246,42 @@ def test_a_world_size_that_does_not_fit_the_job_fails_naming_both(downpour: Conf
         place(detect_launcher(_torchrun(0, world=6)), downpour)
 
 
+@pytest.fixture(scope="module")
+def replicated() -> Config:
+    """Two PS shards of two copies each and two replicas: seven ranks, and the spares."""
+    raw = _raw()
+    raw["downpour"]["ps_replicas"] = 2
+    return parse_config(raw, resolve=False)
+
+
+def test_spares_are_the_last_ranks_and_count_in_the_world_size(replicated: Config) -> None:
+    roles = [place(detect_launcher(_slurm(rank, ntasks=9)), replicated, spares=2).role for rank in range(9)]
+    assert roles == ["coordinator", *["ps"] * 4, "worker", "worker", "spare", "spare"]
+    assert [role_of_rank(r, 1, 1) for r in range(4)] == ["coordinator", "ps", "worker", "spare"]
+    spare = place(detect_launcher(_torchrun(7, world=8)), replicated, spares=1)
+    assert (spare.role, spare.join) == ("spare", "127.0.0.1:29501")
+    assert "rank 7 of 8 -> spare; coordinator at 127.0.0.1:29501" in spare.describe()
+    with pytest.raises(LauncherError, match=r"started 8 rank\(s\) .* needs 9: 1 coordinator, 4 PS shard\(s\), 2 "
+                                            r"replica\(s\), 2 spare\(s\) \(--spares\); set sbatch/srun --ntasks to 9$"):
+        place(detect_launcher(_slurm(0, ntasks=8)), replicated, spares=2)
+    with pytest.raises(LauncherError, match=r"needs 7: .*set sbatch/srun --ntasks to 7 \(or keep the 2 extra rank\(s\) "
+                                            r"as spares: --spares 2\)"):
+        place(detect_launcher(_slurm(0, ntasks=9)), replicated)
+
+
+def test_spares_need_replicated_ps_shards(downpour: Config, replicated: Config) -> None:
+    assert spares_problem(replicated) is None
+    with pytest.raises(LauncherError, match=r"^--spares 1: a spare stands in for a dead copy of a replicated PS shard, "
+                                            r"and job auto_digits \(j.toml\) has downpour.ps_replicas = 1: set it to "
+                                            r"2 or more; or drop --spares$"):
+        place(detect_launcher(_slurm(0, ntasks=6)), downpour, "j.toml", spares=1)
+    with pytest.raises(LauncherError, match=r"--spares 1: .* has no replicated PS shards \(mode hogwild"):
+        place(detect_launcher(_slurm(0, ntasks=3)), parse_config(_raw("hogwild"), resolve=False), spares=1)
+    with pytest.raises(LauncherError, match="needs 5") as refused:
+        place(detect_launcher(_slurm(0, ntasks=6)), downpour)
+    assert "spares" not in str(refused.value)  # a job without copies to stand in for gets no hint about them
+
+
 def test_across_hosts_a_token_is_required_from_the_environment(tmp_path: Path) -> None:
     config = tmp_path / "job.toml"
     config.write_text(_toml(_raw()))
@@ -280,6 +317,15 @@ def test_cli_fails_at_start_naming_the_variables(
     assert "--role auto needs --config JOB.toml" in capsys.readouterr().err
     assert main(["--role", "auto", "--config", str(config), "--join", "127.0.0.1:1"]) == 2
     assert "drop --join" in capsys.readouterr().err
+    for key, value in _slurm(1, ntasks=6).items():
+        monkeypatch.setenv(key, value)
+    assert main(["--role", "auto", "--config", str(config), "--spares", "1"]) == 2  # the job has one copy per shard
+    assert "--spares 1: a spare stands in for a dead copy of a replicated PS shard" in capsys.readouterr().err
+    assert main(["--role", "local", "--config", str(config), "--spares", "1"]) == 2
+    assert "--spares is for --role auto" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["--role", "auto", "--config", str(config), "--spares", "-1"])
+    assert exited.value.code == 2 and "argument --spares: '-1' is not a count" in capsys.readouterr().err
 
 
 # -- a real job under torchrun ---------------------------------------------------------------

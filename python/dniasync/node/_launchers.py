@@ -3,9 +3,12 @@
 A node started by a cluster engine learns from the engine's environment its
 rank, the world size and where rank 0 is; from the job config it learns how
 many PS shards and workers the job needs (``get_mode(mode).processes``).
-Rank 0 is the coordinator, ranks ``1..n_ps`` the PS shards, the rest the
-workers. A world size that does not fit the job, or a missing or malformed
-variable, fails at start naming the variables.
+Rank 0 is the coordinator, ranks ``1..n_ps`` the PS shards, the next
+``n_workers`` the workers, and the last ``--spares N`` spares: PS hosts that
+wait until a copy of a replicated PS shard dies and take its place
+(:mod:`dniasync.cluster.chains`). A world size that does not fit the job,
+spares for a job without replicated PS shards, or a missing or malformed
+variable, fail at start naming the variables, the flag or the key.
 
 Where rank 0 listens:
 
@@ -61,6 +64,7 @@ __all__ = [
     "place",
     "resolve_auto",
     "role_of_rank",
+    "spares_problem",
     "token_from_env",
 ]
 
@@ -334,11 +338,25 @@ def _kubeflow_pet(env: Mapping[str, str]) -> LaunchEnv:
 
 # -- roles and addresses ------------------------------------------------------------------
 
-def role_of_rank(rank: int, n_ps: int) -> str:
-    """Rank 0 coordinates, ranks ``1..n_ps`` hold the PS shards, the rest are workers."""
+def role_of_rank(rank: int, n_ps: int, n_workers: int | None = None) -> str:
+    """Rank 0 coordinates, ranks ``1..n_ps`` hold the PS shards, the next ``n_workers`` (default: all the rest) are
+    workers, and the ranks after them spares."""
     if rank == 0:
         return "coordinator"
-    return "ps" if rank <= n_ps else "worker"
+    if rank <= n_ps:
+        return "ps"
+    return "worker" if n_workers is None or rank <= n_ps + n_workers else "spare"
+
+
+def spares_problem(config: Config, config_path: str = "") -> str | None:
+    """Why spares cannot serve this job (a spare stands in for a dead copy of a replicated PS shard), or None."""
+    job = f"job {config.job.name} ({config_path or config.mode})"
+    copies = getattr(config.settings, "ps_replicas", None)  # the modes with replicated PS shards have the key
+    if copies is None or get_mode(config.mode).processes(config)[0] == 0:
+        return f"{job} has no replicated PS shards (mode {config.mode}, sync.kind {config.sync_kind!r})"
+    if copies < 2:
+        return f"{job} has {config.mode}.ps_replicas = {copies}: set it to 2 or more"
+    return None
 
 
 def _hostport(host: str, port: int) -> str:
@@ -360,19 +378,31 @@ def place(
     config: Config,
     config_path: str = "",
     *,
+    spares: int = 0,
     route: Callable[[str, int], str] = route_address,
 ) -> Placement:
-    """This rank's role and addresses; :class:`LauncherError` if the world size does not fit the job."""
+    """This rank's role and addresses; :class:`LauncherError` if the world size does not fit the job and its
+    ``spares``, or spares cannot serve the job."""
     mode = get_mode(config.mode)
     n_ps, n_workers = mode.processes(config)
-    needed = 1 + n_ps + n_workers
+    if spares < 0:
+        raise LauncherError(f"--spares {spares}: the count of spare ranks is 0 or more")
+    problem = spares_problem(config, config_path) if spares else None
+    if problem is not None:
+        raise LauncherError(f"--spares {spares}: a spare stands in for a dead copy of a replicated PS shard, and "
+                            f"{problem}; or drop --spares")
+    needed = 1 + n_ps + n_workers + spares
     if launch.world_size != needed:
+        extra = launch.world_size - needed
+        hint = (f" (or keep the {extra} extra rank(s) as spares: --spares {spares + extra})"
+                if extra > 0 and spares_problem(config) is None else "")
         raise LauncherError(
             f"--role auto: the launcher started {launch.world_size} rank(s) ({launch.sources}) but job "
             f"{config.job.name} ({config_path or config.mode}) needs {needed}: 1 coordinator, {n_ps} PS shard(s), "
-            f"{n_workers} {mode.worker_kind}(s); set {launch.size_hint} to {needed}"
+            f"{n_workers} {mode.worker_kind}(s)" + (f", {spares} spare(s) (--spares)" if spares else "")
+            + f"; set {launch.size_hint} to {needed}{hint}"
         )
-    role = role_of_rank(launch.rank, n_ps)
+    role = role_of_rank(launch.rank, n_ps, n_workers)
     coordinator = _hostport(launch.coordinator_host, launch.port)
     if role == "coordinator":
         if launch.one_host:
@@ -398,9 +428,10 @@ class AutoStart:
     token: bytes | None
 
 
-def resolve_auto(config_path: str, env: Mapping[str, str], *, token_file: str | None = None) -> AutoStart:
+def resolve_auto(config_path: str, env: Mapping[str, str], *, token_file: str | None = None,
+                 spares: int = 0) -> AutoStart:
     """The launcher's environment and the job config -> this rank's options; :class:`LauncherError` if not."""
-    placement = place(detect_launcher(env), load_config(config_path), config_path)
+    placement = place(detect_launcher(env), load_config(config_path), config_path, spares=spares)
     env_file, token = token_from_env(env)
     token_file = token_file or env_file
     if token_file is not None:

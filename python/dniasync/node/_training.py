@@ -13,6 +13,7 @@ import logging
 import tomllib
 from typing import TYPE_CHECKING
 
+from ..cluster.chains import SPARE_HOST, SPARE_POLL_S
 from ..cluster.config import Config, load_config
 from ..cluster.hosts import Host
 from ..cluster.modes._data_parallel import WORKER_HOST
@@ -106,9 +107,10 @@ async def start_training_ps(context: NodeContext) -> None:
     await context.system.spawn(Host, _trainer(context), "ps", name="ps-host")
 
 
-async def start_training_ps(context: NodeContext) -> None:
+async def start_training_spare(context: NodeContext) -> None:
+    """A spare PS node: it waits until a copy of a replicated PS shard dies, then takes its place."""
     await start_member(context)
-    await context.system.spawn(Host, _trainer(context), "ps", name="ps-host")
+    await context.system.spawn(Host, _trainer(context), "ps", max_retry_s=SPARE_POLL_S, name=SPARE_HOST)
 
 
 async def start_training_worker(context: NodeContext) -> None:
@@ -120,3 +122,4 @@ register_role("coordinator", start_training_coordinator)
 register_role("standby", start_training_standby, needs_join=True)
 register_role("ps", start_training_ps, needs_join=True)
 register_role("worker", start_training_worker, needs_join=True)
+register_role("spare", start_training_spare, needs_join=True)

@@ -132,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
         "starting afresh; a config that differs outside [stop], [eval] and [checkpoint] is refused",
     )
     parser.add_argument(
+        "--spares",
+        type=_count,
+        metavar="N",
+        help="auto only: the launcher starts N ranks beyond the job's (its last N), which wait as spares and each "
+        "take the place of a copy of a replicated PS shard ([downpour] ps_replicas >= 2) whose process died; "
+        "without a launcher start one with --role spare --join HOST:PORT",
+    )
+    parser.add_argument(
         "--spawn",
         action="append",
         metavar="MODULE:CLASS[=NAME]",
@@ -174,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
     return parser
+
+
+def _count(text: str) -> int:
+    """A count for --spares: an integer, 0 or more."""
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (an integer, 0 or more)")
+    return int(text)
 
 
 def _load_config(path: str) -> dict[str, Any]:
@@ -388,7 +403,7 @@ def _apply_launcher(args: argparse.Namespace) -> AutoStart:
         if getattr(args, flag) is not None:
             raise _UsageError(f"--role auto takes the addresses from the launcher's environment: drop --{flag}")
     try:
-        auto = resolve_auto(args.config, os.environ, token_file=args.token_file)
+        auto = resolve_auto(args.config, os.environ, token_file=args.token_file, spares=args.spares or 0)
     except (LauncherError, ConfigError) as exc:
         raise _UsageError(str(exc)) from None
     placement = auto.placement
@@ -425,6 +440,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m dniasync.node``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 with a message on bad arguments
+    if args.spares is not None and args.role != "auto":
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: --spares is for --role auto (the launcher's last N ranks wait as spares); "
+              "start a spare by hand with --role spare --join HOST:PORT", file=sys.stderr)
+        return 2
     if args.emulate is not None:
         return _emulate(parser, args)
     if args.role == "local":
