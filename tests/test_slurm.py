@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from dniasync.cluster.chains import SPARE_HOST, copies_placed
 from dniasync.cluster.config import load_config
 from dniasync.cluster.modes import get_mode
 
@@ -257,6 +258,22 @@ def slurm() -> Iterator[SlurmCluster]:
         assert not left, f"Slurm daemons left running: {left}"
 
 
+def _rank_process(job_id: str, rank: int) -> int:
+    """The pid of rank ``rank`` of Slurm job ``job_id`` (the Python process srun started, not srun)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = set((entry / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if (argv[1:3] == [b"-m", b"dniasync.node"] and f"SLURM_JOB_ID={job_id}".encode() in environ
+                and f"SLURM_PROCID={rank}".encode() in environ):
+            return int(entry.name)
+    raise AssertionError(f"no process of rank {rank} of job {job_id}")
+
+
 def _job(tmp_path: Path, *, target: float | None, max_seconds: int = 240, max_epochs: int = 50) -> Path:
     config = tmp_path / "job.toml"
     config.write_text(JOB.format(
@@ -311,6 +328,73 @@ def test_downpour_example_under_sbatch_reaches_its_target_and_leaves_nothing(
     assert summary["final_accuracy"] >= 0.8
     assert slurm.job_state(job_id) == "COMPLETED"
     assert not _processes_with(str(config)), "ranks left running after the job ended"
+
+
+SPARES_SCRIPT = """\
+#!/bin/bash
+#SBATCH --ntasks=6
+#SBATCH --cpus-per-task=1
+export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
+srun --label python -m dniasync.node --role auto --config "$1" --spares 1
+"""
+SPARES_ROLES = ["coordinator", "ps", "ps", "worker", "worker", "spare"]
+"""One PS shard with two copies, two replicas and one spare: six ranks."""
+
+
+def test_a_spare_takes_the_place_of_a_killed_ps_copy_and_nothing_acknowledged_is_lost(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """``--role auto --spares 1`` with ``ps_replicas = 2``: SIGKILL of the head copy mid-run; the chain closes
+    around it, the spare rank takes its place and catches up from the tail, and the job finishes with every push
+    the replicas saw acknowledged on both copies."""
+    config = _job(tmp_path, target=None, max_seconds=14, max_epochs=100_000)
+    config.write_text(config.read_text().replace("n_ps_shards = 2", "n_ps_shards = 1\nps_replicas = 2"))
+    script = tmp_path / "spares.sbatch"
+    script.write_text(SPARES_SCRIPT)
+    proc = slurm.run("sbatch", "--parsable", f"--chdir={tmp_path}", f"--output={tmp_path}/slurm-%j.out",
+                     str(script), str(config))
+    job_id = proc.stdout.strip().split(";")[0]
+    assert job_id.isdigit(), f"sbatch did not submit: {proc.stdout}{proc.stderr}"
+    output = tmp_path / f"slurm-{job_id}.out"
+
+    def trained() -> str:
+        if slurm.job_state(job_id) not in ("PENDING", "RUNNING"):
+            raise AssertionError(f"job {job_id} ended early:\n" + (output.read_text() if output.exists() else ""))
+        text = output.read_text() if output.exists() else ""
+        evals = [line for line in text.splitlines() if line.startswith("0: ") and " eval: " in line]
+        return text if any(" 0 samples" not in line for line in evals) else ""
+
+    log = _wait_for(trained, 300, "the job to train", every=0.2)
+    nodes = dict((int(rank), address) for rank, address in
+                 re.findall(r"^(\d+): dniasync node (?:ps|spare) listening on (\S+)$", log, re.M))
+    head = next(address for address, where in copies_placed(log).items() if where == (0, 0))
+    rank = next(r for r, address in nodes.items() if address == head)
+    os.kill(_rank_process(job_id, rank), signal.SIGKILL)
+    _wait_for(lambda: slurm.job_state(job_id) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 120,
+              f"job {job_id} to end")
+    log = output.read_text()
+    for r, role in enumerate(SPARES_ROLES):
+        assert f"{r}: dniasync --role auto: slurm rank {r} of 6, job {job_id} -> {role}; " in log, log
+        if r != rank:
+            assert f"{r}: dniasync rank {r} ({role}): job finished; stopping" in log, log
+    assert "Traceback" not in log and "version went back" not in log and "failed for" not in log, log
+    # srun returns the killed task's status: Slurm calls the job FAILED, though the job itself finished
+    assert slurm.job_state(job_id) == "FAILED"
+    doc = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert doc["stop_reason"] == "ran 14 s", doc["stop_reason"]
+    events = {e["kind"]: e for e in doc["events"] if e["kind"].startswith("ps_copy")}
+    spare = f"{SPARE_HOST}@{nodes[5]}"
+    assert events["ps_copy_down"]["address"].endswith(f"@{head}"), doc["events"]
+    assert events["ps_copy_replaced"]["member"] == spare and events["ps_copy_joined"]["member"] == spare, events
+    metrics = doc["metrics"]
+    assert metrics["ps_copies_replaced"] == 1
+    assert metrics["ps0_copy0_in_chain"] == metrics["ps0_copy1_in_chain"] == 1, metrics  # back to two copies
+    assert metrics["ps0_copy1_transfers"] == 1 and metrics["ps0_copy0_version"] == metrics["ps0_copy1_version"]
+    assert metrics["ps0_copy0_divergent"] == metrics["ps0_copy1_divergent"] == 0
+    assert metrics["ps_acknowledged_pushes"] > 0
+    assert metrics["ps_acknowledged_pushes_kept"] == metrics["ps_acknowledged_pushes"], metrics
+    print(f"spare joined {events['ps_copy_joined']['wall_s'] - events['ps_copy_down']['wall_s']:.1f} s after "
+          "the copy was missed")
 
 
 def test_scancel_stops_every_rank_cleanly(slurm: SlurmCluster, tmp_path: Path) -> None:
