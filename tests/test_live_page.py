@@ -72,6 +72,8 @@ def test_status_endpoint_lists_members_and_series(page: tuple[str, Path]) -> Non
     assert sum(status["staleness"]["counts"]) > 0
     # Downpour's panels: the PS's staleness, bytes and staleness histogram
     assert [p["key"] for p in status["panels"]] == ["samples", "staleness", "bytes", "staleness_histogram"]
+    # the first coordinator runs the job; its shards have one copy each: no chains (tests/test_ps_replicas.py has them)
+    assert status["coordinator"] == {"address": address, "epoch": 1} and status["ps_chains"] == []
 
 
 def test_charts_draw_data_in_headless_chromium(page: tuple[str, Path]) -> None:
@@ -85,6 +87,8 @@ def test_charts_draw_data_in_headless_chromium(page: tuple[str, Path]) -> None:
         assert int(match.group(2)) >= 2 and match.group(1).count(",") >= 2, (name, match.group(0))
     assert re.search(r'data-series="staleness-0" data-count="[1-9]', dom), "empty staleness histogram"
     assert dom.count('class="up"') >= 5 + 2  # members and replicas, all up
+    assert f'coordinator <b id="coordinator">{address} · epoch 1</b>' in dom, dom[:3000]
+    assert re.search(r'<section [^>]*id="chains-section" hidden', dom)  # no replicated PS shards: no table
 
     shot = tmp / "live.png"
     done = chromium(tmp, "--window-size=1400,1000", f"--screenshot={shot}", f"http://{address}/")
@@ -129,6 +133,7 @@ def test_page_shows_a_dni_job_and_its_stages(tmp_path: Path) -> None:
         assert len(gaps) == 2 and float(gaps[0]) >= 0.0, status["job"]
         assert math.isfinite(float(errors[0])) and errors[1] == "-", status["job"]
         assert status["job"]["stage_stash_bytes"] == "0 | 0"
+        assert status["ps_chains"] == [] and status["coordinator"] == {"address": address, "epoch": 1}
         # the pipeline's own panels (no PS here: none of Downpour's), charted per stage
         assert [p["key"] for p in status["panels"]] == ["samples", "stage_version_gap", "stage_busy"]
         deadline = time.monotonic() + 60
@@ -153,6 +158,7 @@ def test_page_shows_a_dni_job_and_its_stages(tmp_path: Path) -> None:
             for series in ("stage_version_gap-0", "stage_busy_ms-0", "stage_busy_ms-1"):
                 assert re.search(rf'data-series="{series}" data-points="[1-9]', done.stdout), series
             assert 'id="chart-staleness"' not in done.stdout and 'id="chart-bytes"' not in done.stdout
+            assert re.search(r'<section [^>]*id="chains-section" hidden', done.stdout)  # no replicated PS shards
     finally:
         cluster.stop()
 
@@ -204,6 +210,13 @@ def test_a_pipeline_page_draws_its_modes_panels_with_distinct_ticks(tmp_path: Pa
                     "stage_busy_ms": [30.0 + i, None if i == 3 else 28.0]} for i, x in enumerate(t)],
         "panels": [asdict(p) for p in (SAMPLES, *STAGE_PANELS)],
         "staleness": {"buckets": ["0", "+Inf"], "counts": [0, 0]},
+        # the page draws what the status lists: a standby that took the job over (epoch 2), a PS chain whose
+        # copy 0 is down and whose restarted copy 2 takes the state at the tail
+        "coordinator": {"address": "127.0.0.1:9", "epoch": 2},
+        "ps_chains": [{"shard": 0, "view": 3, "length": 2, "copies": [
+            {"copy": 1, "address": "127.0.0.1:3", "state": "live"},
+            {"copy": 2, "address": "127.0.0.1:4", "state": "catching up"},
+            {"copy": 0, "address": "127.0.0.1:2", "state": "down"}]}],
     }
     server, address = serve_page(status)
     try:
@@ -224,3 +237,8 @@ def test_a_pipeline_page_draws_its_modes_panels_with_distinct_ticks(tmp_path: Pa
     shown = dom[dom.index("<main>"):dom.index("</main>")]
     assert "Staleness" not in shown and "waiting for data" not in shown and "no pushes yet" not in shown, shown
     assert '<h2 style="margin-top:12px" id="replicas-title">Stages</h2>' in shown
+    assert '<b id="coordinator">127.0.0.1:9 · epoch 2</b>' in dom
+    assert ('<tbody id="chains"><tr><td>shard 0</td><td>3</td><td>head</td><td>copy 1</td><td>127.0.0.1:3</td>'
+            '<td class="up">live</td></tr><tr><td>shard 0</td><td>3</td><td>tail</td><td>copy 2</td>'
+            '<td>127.0.0.1:4</td><td class="catching">catching up</td></tr><tr><td>shard 0</td><td>3</td><td>–</td>'
+            '<td>copy 0</td><td>127.0.0.1:2</td><td class="down">down</td></tr></tbody>') in shown, shown

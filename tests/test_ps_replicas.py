@@ -19,7 +19,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from _observability import fetch
 from dniasync import ActorSystem
 from dniasync.actors import ActorRef
 from dniasync.cluster.chains import SPARE_HOST, ChainKeeper, copies_placed
@@ -208,6 +210,46 @@ async def test_a_spare_takes_the_place_of_a_copy_whose_process_is_gone_and_joins
     assert view is not None and [ref.address for ref in view.chain] == ["ps-0@127.0.0.1:9", "ps-0@127.0.0.1:2"]
 
 
+async def test_the_keeper_shows_each_copy_waiting_live_down_then_catching_up() -> None:
+    """What the live page and the coordinator's metrics read of a chain (:meth:`ChainKeeper.chains`), copies as
+    actors: waiting until named, both live, one down when its actor is gone, catching up once restarted until its
+    predecessor's state has reached it, then live at the tail."""
+    async with ActorSystem() as system:
+        spec = ShardSpec(0, 0, np.zeros(N, np.float32), OptimizerSpec("adagrad", 0.1))
+        keeper = ChainKeeper([spec], lambda kind, **details: None, lost_after_s=20.0)
+
+        def shown() -> tuple[int, int, list[tuple[int, str]]]:
+            [chain] = keeper.chains()
+            return chain["view"], chain["length"], [(c["copy"], c["state"]) for c in chain["copies"]]
+
+        async def host(j: int, incarnation: int) -> ActorRef:
+            placed = keeper.place(JoinJob(f"ps-host-{j}@127.0.0.1:{j + 1}", "ps", incarnation))
+            assert isinstance(placed, Assignment)
+            ref = await system.spawn(ChainShard, placed.spec, name=f"ps-0-{j}-{incarnation}")
+            assert keeper.ready(f"ps-host-{j}@127.0.0.1:{j + 1}", [ref])
+            return ref
+
+        async def settled(want: tuple[int, int, list[tuple[int, str]]]) -> None:
+            for _ in range(500):  # the views go out in tasks
+                if shown() == want:
+                    return
+                await asyncio.sleep(0.01)
+            assert shown() == want
+
+        assert shown() == (0, 0, [(0, "waiting"), (1, "waiting")])
+        head, tail = await host(0, 1), await host(1, 1)
+        await settled((1, 2, [(0, "live"), (1, "live")]))
+        await system.stop(tail)
+        while tail.is_alive:
+            await asyncio.sleep(0.01)
+        keeper.check(time.monotonic())
+        assert shown() == (2, 1, [(0, "live"), (1, "down")])
+        await host(1, 2)
+        assert shown() == (3, 2, [(0, "live"), (1, "catching up")])
+        await settled((3, 2, [(0, "live"), (1, "live")]))
+        assert head.is_alive and keeper.changes == 2
+
+
 # -- a real job ---------------------------------------------------------------------------------------------
 JOB = """
 [job]
@@ -344,22 +386,54 @@ def test_the_chaos_tools_kill_ps_copy_loses_no_acknowledged_push(tmp_path: Path)
     assert metrics[f"ps0_copy{survivor}_in_chain"] == 1 and metrics[f"ps0_copy{survivor}_divergent"] == 0
 
 
+def _shown(out: Path) -> tuple[dict[str, Any] | None, dict[int, tuple[int, list[tuple[int, str, str]]]],
+                                dict[tuple[str, str], float]]:
+    """What the coordinator shows of the job's chains now: on its live page the coordinator (address, epoch) and per
+    shard (view, [(copy, node, state), ...] in chain order, then the copies out of it); on /metrics its chain and
+    epoch gauges."""
+    children = json.loads((out / "cluster.json").read_text())["children"]
+    node = next(c["address"] for c in children if c["role"] == "coordinator")
+    status = json.loads(fetch(f"http://{node}/api/status"))
+    chains = {c["shard"]: (c["view"], [(p["copy"], p["address"], p["state"]) for p in c["copies"]])
+              for c in status["ps_chains"]}
+    exported = {(s.name, s.labels.get("shard", "")): s.value
+                for family in text_string_to_metric_families(fetch(f"http://{node}/metrics"))
+                for s in family.samples if s.name.startswith(("dniasync_ps_chain_", "dniasync_coordinator_"))}
+    return status["coordinator"], chains, exported
+
+
 def test_a_copy_frozen_past_the_detection_interval_rejoins_its_chain_when_it_wakes(tmp_path: Path) -> None:
     """SIGSTOP of a PS copy for longer than the failure detector's 3 s: the chain closes around it and the job goes
     on; once it answers again (the same process: nothing restarts it) it rejoins at the tail with the chain's state,
-    so the shard has both copies again and nothing acknowledged is lost."""
+    so the shard has both copies again and nothing acknowledged is lost. Two shards: the other's chain is untouched;
+    the coordinator's live page and metrics show both chains as they are."""
     out = tmp_path / "frozen"
     config = tmp_path / "frozen.toml"
-    config.write_text(JOB.format(name="frozen", out=out, epochs=100_000).replace("max_seconds = 240", "max_seconds = 14"))
+    config.write_text(JOB.format(name="frozen", out=out, epochs=100_000).replace("max_seconds = 240", "max_seconds = 14")
+                      .replace("n_ps_shards = 1", "n_ps_shards = 2"))
     launcher = subprocess.Popen([sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         tail, pid = _copy_process(out, shard=0, copy=1)
+        node = {where: address for address, where in copies_placed(_wait_training(out)).items()}
+        coordinator, chains, exported = _shown(out)
+        assert coordinator is not None and coordinator["epoch"] == 1  # the first coordinator runs the job
+        assert chains == {k: (1, [(0, node[k, 0], "live"), (1, node[k, 1], "live")]) for k in (0, 1)}, chains
+        assert exported == {("dniasync_ps_chain_length", "0"): 2, ("dniasync_ps_chain_length", "1"): 2,
+                            ("dniasync_ps_chain_view", "0"): 1, ("dniasync_ps_chain_view", "1"): 1,
+                            ("dniasync_ps_chain_changes_total", ""): 0, ("dniasync_coordinator_epoch", ""): 1}, exported
         os.kill(pid, signal.SIGSTOP)
         deadline = time.monotonic() + 60
         while "is down; the chain closes around it" not in (out / "logs" / "coordinator0.log").read_text():
             assert time.monotonic() < deadline, "the frozen copy was never missed"
             time.sleep(0.1)
+        # shard 0's chain is its head alone (view 2), the frozen copy down; shard 1's is as it was
+        _, chains, exported = _shown(out)
+        assert chains == {0: (2, [(0, node[0, 0], "live"), (1, tail, "down")]),
+                          1: (1, [(0, node[1, 0], "live"), (1, node[1, 1], "live")])}, chains
+        assert exported == {("dniasync_ps_chain_length", "0"): 1, ("dniasync_ps_chain_length", "1"): 2,
+                            ("dniasync_ps_chain_view", "0"): 2, ("dniasync_ps_chain_view", "1"): 1,
+                            ("dniasync_ps_chain_changes_total", ""): 1, ("dniasync_coordinator_epoch", ""): 1}, exported
         os.kill(pid, signal.SIGCONT)
         stdout, stderr = launcher.communicate(timeout=240)
     finally:

@@ -313,6 +313,34 @@ class ChainKeeper(ShardKeeper):
                 self._install(k, [*view.chain, ref], joining=[ref.address])
                 self._event(EVENT_PS_COPY_JOINED, shard=k, copy=j, address=ref.address, member=copy.member)
 
+    # -- status -----------------------------------------------------------------------
+    def chains(self) -> list[dict[str, Any]]:
+        """Each shard's chain now, as plain data (it travels in the job's status: the live page, the metrics).
+
+        Per shard: ``shard``, ``view`` (0 until the chain is first named), ``length`` (copies in the chain) and
+        ``copies``: those in the chain head to tail, then the others by copy number, each with its ``copy``
+        number, the ``address`` of its node and its ``state``: ``live``; ``catching up`` (it joined at the tail
+        and takes its predecessor's state while the view is delivered); ``down`` (cut out of the chain, or
+        restarting); ``waiting`` (the chain is not named yet).
+        """
+        delivering = any(not task.done() for task in self._tasks)
+        out: list[dict[str, Any]] = []
+        for k, row in enumerate(self.table):
+            view = self.views[k]
+            chain, joining = (view.chain, view.joining) if view is not None else ([], [])
+            number = {c.ref.address: j for j, c in enumerate(row) if c is not None and c.ref is not None}
+            copies = [{"copy": number.get(ref.address, -1), "address": ref.address.rpartition("@")[2],
+                       "state": "catching up" if delivering and ref.address in joining else "live"} for ref in chain]
+            inside = {ref.address for ref in chain}
+            for j, c in enumerate(row):
+                address = "" if c is None else c.ref.address if c.ref is not None else c.member
+                if address not in inside:
+                    copies.append({"copy": j, "address": address.rpartition("@")[2],
+                                   "state": "down" if view is not None else "waiting"})
+            out.append({"shard": k, "view": view.number if view is not None else 0, "length": len(chain),
+                        "copies": copies})
+        return out
+
 
 async def host_copy(host: Host, spec: CopySpec) -> list[ActorRef]:
     """On a PS node: copy ``spec.copy`` of a replicated shard, a child of ``host``."""

@@ -1,4 +1,5 @@
-"""Metric families of the job (held-out evaluation, throughput, replicas) and the trainer collector.
+"""Metric families of the job (held-out evaluation, throughput, replicas, PS chains, the coordinator's epoch) and
+the trainer collector.
 
 The job runner registers itself once it starts (a no-op on a node without
 metrics); its snapshot is read at scrape time. The state types are structural
@@ -7,8 +8,8 @@ so this module imports no training code (nor torch).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Final, Protocol
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Final, Protocol
 
 from prometheus_client.metrics_core import Metric
 
@@ -29,6 +30,19 @@ TRAIN_WALL = FAMILIES.gauge("dniasync_train_wall_seconds", "Seconds since the jo
 TRAIN_REPLICAS_ALIVE = FAMILIES.gauge("dniasync_train_replicas_alive", "Replicas the coordinator considers alive.")
 TRAIN_REPLICAS_DEAD = FAMILIES.gauge("dniasync_train_replicas_dead", "Replicas the coordinator declared dead.")
 TRAIN_FINISHED = FAMILIES.gauge("dniasync_train_finished", "1 once the job has finished, else 0.")
+# -- replicated PS shards and the coordinator (cluster/chains.py, cluster/standby.py) ----------
+PS_CHAIN_LENGTH = FAMILIES.gauge(
+    "dniasync_ps_chain_length",
+    "Copies in the chain of each replicated PS shard (ps_replicas > 1), as the coordinator last named it.", "shard")
+PS_CHAIN_VIEW = FAMILIES.gauge(
+    "dniasync_ps_chain_view", "View number of each replicated PS shard's chain (1 once named; one more per change).",
+    "shard")
+PS_CHAIN_CHANGES = FAMILIES.counter(
+    "dniasync_ps_chain_changes_total",
+    "Chain views the coordinator installed after the first ones (a copy cut out, or joining at the tail).")
+COORDINATOR_EPOCH = FAMILIES.gauge(
+    "dniasync_coordinator_epoch",
+    "Epoch of the coordinator running the job: 1, one more each time a standby coordinator took it over.")
 # -- peer to peer (cluster/modes/p2p.py: the coordinator's view) ------------------------------
 P2P_CONSENSUS = FAMILIES.gauge(
     "dniasync_p2p_consensus_distance_ratio",
@@ -55,6 +69,8 @@ class JobSnapshot(Protocol):
     def samples_per_s(self) -> float: ...
     @property
     def replicas(self) -> dict[str, str]: ...
+    @property
+    def extra(self) -> Mapping[str, Any]: ...
 
 
 class TrainerState(Protocol):
@@ -65,6 +81,10 @@ class TrainerState(Protocol):
 
     @property
     def evaluations(self) -> int: ...
+
+    @property
+    def epoch(self) -> int:
+        """The coordinator epoch the job runs as (1; a standby coordinator that takes it over runs the next)."""
 
 
 def _collect_trainers(system: ActorSystem, trainers: Sequence[TrainerState]) -> Iterator[Metric]:
@@ -84,6 +104,12 @@ def _collect_trainers(system: ActorSystem, trainers: Sequence[TrainerState]) -> 
     yield TRAIN_REPLICAS_ALIVE.single(statuses.count("alive"))
     yield TRAIN_REPLICAS_DEAD.single(len(statuses) - statuses.count("alive"))
     yield TRAIN_FINISHED.single(int(all(s.state == "finished" for s, _ in snaps)))
+    chains = [chain for s, _ in snaps for chain in s.extra.get("ps_chains", ())]
+    if chains:
+        yield PS_CHAIN_LENGTH.labelled(((str(c["shard"]),), c["length"]) for c in chains)
+        yield PS_CHAIN_VIEW.labelled(((str(c["shard"]),), c["view"]) for c in chains)
+        yield PS_CHAIN_CHANGES.single(sum(s.extra.get("ps_chain_changes", 0) for s, _ in snaps))
+    yield COORDINATOR_EPOCH.single(max(t.epoch for t in trainers))
 
 
 TRAINERS: Final[Tracker[TrainerState]] = Tracker("trainers", _collect_trainers)

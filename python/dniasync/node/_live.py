@@ -9,7 +9,10 @@ histograms (asked for each sample). Beside accuracy, loss and samples/s, the
 charts are the panels the job's mode declares (``Mode.panels``, see
 :mod:`dniasync.cluster.panels`): Downpour's staleness and bytes, a
 pipeline's version gap and busy time per stage; the page draws whatever
-panels the status lists.
+panels the status lists. Its header names the coordinator running the job
+(address and epoch: a standby that took over runs a later one), and a job
+with replicated PS shards gets a "PS chains" table: each shard's copies in
+chain order, those down or catching up, the view number.
 """
 
 from __future__ import annotations
@@ -168,7 +171,8 @@ class LivePage:
         doc: dict[str, Any] = {
             "node": transport.address, "role": self.metrics.role, "updated": time.time(),
             "peers": transport.peer_states(), "members": members,
-            "job": None, "replicas": {}, "history": [], "series": list(self.series), "panels": [asdict(SAMPLES)],
+            "job": None, "coordinator": None, "ps_chains": [], "replicas": {}, "history": [],
+            "series": list(self.series), "panels": [asdict(SAMPLES)],
             "staleness": {"buckets": [*map(str, STALENESS_BUCKETS), "+Inf"], "counts": list(self.staleness_counts)},
         }
         trainer = self._trainer()
@@ -184,6 +188,8 @@ class LivePage:
                 **{key: s.extra[key] for key in ("split", "stage_ms", "regroup_moves", "lbfgs", "stage_version_gap",
                                                  "stage_stash_bytes", "stage_estimate_error") if key in s.extra},
             }
+            doc["coordinator"] = {"address": trainer.ref.node, "epoch": trainer.epoch}
+            doc["ps_chains"] = s.extra.get("ps_chains", [])  # replicated PS shards: each one's chain now
             doc["panels"] = [asdict(panel) for panel in self.panels(trainer)]
             doc["replicas"] = dict(s.replicas)
             doc["history"] = [{"wall_s": p.wall_s, "samples": p.samples, "accuracy": p.accuracy, "loss": p.loss}

@@ -12,7 +12,10 @@ when training stops), to set against what each copy applied, and
 every shard holds at the end (per incarnation of each replica, the fewer of
 what it saw acknowledged and what each copy's state holds of it: a replica
 sends its pushes one at a time, in order, so a copy holds a prefix of them).
-Equal to ``ps_acknowledged_pushes`` when nothing was lost.
+Equal to ``ps_acknowledged_pushes`` when nothing was lost. The job's status
+(:meth:`ReplicatedDownpourJob.extra`) gets each shard's chain now
+(``ps_chains``: :meth:`~dniasync.cluster.chains.ChainKeeper.chains`) and
+``ps_chain_changes``: the live page and the coordinator's metrics show them.
 """
 
 from __future__ import annotations
@@ -56,6 +59,13 @@ class ReplicatedDownpourJob(_DownpourJob):
         assert self.keeper is not None
         copies = [ref for row in self.keeper.copies for ref in row if ref is not None]
         return dataclasses.replace(super().sync_spec(), ps=copies)
+
+    def extra(self) -> dict[str, Any]:
+        out = super().extra()
+        if self.keeper is not None:  # the live page's "PS chains" and the chain metrics
+            out["ps_chains"] = self.keeper.chains()
+            out["ps_chain_changes"] = self.keeper.changes
+        return out
 
     def progress(self, msg: Progress) -> None:
         state = self.replicas.get(msg.replica)
