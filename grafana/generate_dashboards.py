@@ -180,6 +180,18 @@ def overview() -> dict[str, Any]:
     d.panel("timeseries", "Mailbox depth", "Messages queued on each node (all mailboxes, and the fullest).",
             [target(f"dniasync_actor_mailbox_messages{{{SEL}}}", "all {{instance}}"),
              target(f"dniasync_actor_mailbox_max_messages{{{SEL}}}", "fullest {{instance}}")])
+    d.row("PS chains and coordinator")
+    d.panel("timeseries", "PS chain length", "Copies in the chain of each replicated PS shard ([downpour] "
+            "ps_replicas > 1), as the coordinator names it: a copy that dies is cut out within the detection "
+            "interval, a restarted one joins at the tail.",
+            [target(f"max by (shard) (dniasync_ps_chain_length{{{SEL}}})", "shard {{shard}}")])
+    d.panel("timeseries", "PS chain views and changes", "View number of each shard's chain (one more per change) "
+            "and the chain changes per interval.",
+            [target(f"max by (shard) (dniasync_ps_chain_view{{{SEL}}})", "view shard {{shard}}"),
+             target(f"sum(increase(dniasync_ps_chain_changes_total{{{SEL}}}[{RI}]))", "changes")])
+    d.panel("stat", "Coordinator epoch", "Epoch of each node running a job as its coordinator: 1, one more each "
+            "time a standby coordinator took the job over (the highest is the active one).",
+            [target(f"dniasync_coordinator_epoch{{{SEL}}}", "{{instance}}")])
     d.row("Communication")
     d.panel("timeseries", "Bytes/s", "Websocket traffic of each node, per direction.",
             [target(f"sum by (instance, direction) (rate(dniasync_remote_bytes_total{{{SEL}}}[{RI}]))",

@@ -194,14 +194,18 @@ class LocalCluster:
             time.sleep(0.2)
         raise AssertionError(f"the launcher printed no live page address:\n{self.output()}")
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
+        """SIGTERM to the launcher without waiting for it (:meth:`stop` waits): several clusters stop side by side."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+
+    def stop(self) -> None:
+        self.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self.log.close()
 
 

@@ -1,8 +1,9 @@
 """Every query of every Grafana panel, run by a real Prometheus scraping a real training run.
 
-A ``--role local`` Downpour job (coordinator, 2 PS shards, 2 replicas: the
-launcher's file-SD targets file), a ``--role local`` Sandblaster job (the same
-five roles; its L-BFGS panels), a ``--role local`` peer-to-peer job
+A ``--role local`` Downpour job (coordinator, one PS shard on 2 copies: a
+chain, for the PS chain panels; 2 replicas: the launcher's file-SD targets
+file), a ``--role local`` Sandblaster job (the same five processes; its
+L-BFGS panels), a ``--role local`` peer-to-peer job
 (coordinator, 2 peers; its p2p panels) and a node hosting DNI stages (a
 fourth targets file) are scraped every second; once every node is ``up``,
 each panel query of both dashboards (template variables substituted) must
@@ -25,6 +26,9 @@ import pytest
 from _observability import JOB, ROOT, DNINode, LocalCluster, Prometheus, fetch, need
 
 DASHBOARDS = ROOT / "grafana" / "dashboards"
+CHAIN_JOB = JOB.replace("n_ps_shards = 2\n", "n_ps_shards = 1\nps_replicas = 2\n")
+"""The Downpour job: its PS shard on two copies, chain-replicated (the PS chain panels' data), in as many PS
+processes as two shards of one copy."""
 SANDBLASTER_JOB = JOB.replace('mode = "downpour"', 'mode = "sandblaster"').split("[optimizer]")[0] + """
 [sandblaster]
 n_replicas = 2
@@ -103,7 +107,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
     tmp = tmp_path_factory.mktemp("prometheus")
     # the jobs outlast every test of the module however slow the machine (the teardown stops them): a job that
     # ended at its max_seconds mid-module took its nodes' metrics with it (a loaded CI run: refused connections)
-    cluster = LocalCluster(tmp, "metrics-job", max_seconds=1800, job=JOB + PATIENT)
+    cluster = LocalCluster(tmp, "metrics-job", max_seconds=1800, job=CHAIN_JOB + PATIENT)
     sandblaster = LocalCluster(tmp, "metrics-sandblaster", max_seconds=1800, job=SANDBLASTER_JOB + PATIENT)
     p2p = LocalCluster(tmp, "metrics-p2p", max_seconds=1800, job=P2P_JOB + PATIENT)
     dni: DNINode | None = None
@@ -126,6 +130,10 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
         yield Scraped(prometheus, nodes, lambda: "\n".join(
             [c.state() for c in (cluster, sandblaster, p2p)] + [dni.state() if dni else ""]))
     finally:
+        # side by side: a job takes seconds to stop, the replicated one's 10 s (its replicas retry a push the
+        # stopped PS copies never acknowledged until their node's shutdown grace cancels it)
+        for job in (cluster, sandblaster, p2p):
+            job.terminate()
         if prometheus is not None:
             prometheus.stop()
         if dni is not None:
@@ -186,6 +194,15 @@ def test_every_panel_query_returns_data(scraped: Scraped) -> None:
     roles = next(r for (_, t, _), r in results.items() if t == "Members up by role")
     assert {r["metric"]["role"]: float(r["value"][1]) for r in roles} == {
         "coordinator": 3, "ps": 4, "worker": 6, "dni": 1}, scraped.state()
+    # each job's coordinator is its first (epoch 1); the Downpour job's shard runs on both its copies
+    epoch, chain = (next(e for (_, t, e) in results if t == p) for p in ("Coordinator epoch", "PS chain length"))
+    while True:
+        epochs = [float(r["value"][1]) for r in prometheus.query(epoch)]
+        lengths = {r["metric"]["shard"]: float(r["value"][1]) for r in prometheus.query(chain)}
+        if epochs == [1.0, 1.0, 1.0] and lengths == {"0": 2.0}:
+            break
+        assert time.monotonic() < deadline + DEADLINE_S, f"epochs {epochs}, chains {lengths}\n{scraped.state()}"
+        time.sleep(1.0)
     print(f"{len(results)} dashboard queries returned data")
 
 
