@@ -448,7 +448,10 @@ class JobRunner(Actor):
             await asyncio.gather(self._eval_task, return_exceptions=True)
         last = self._deferred[-1].samples if self._deferred else (
             self.report.history[-1].samples if self.report.history else None)
-        if state == "finished" and not reason.startswith("reached") and last != train_samples:
+        # the replicas' last reports may arrive after the stop: an evaluation already dated at the final count
+        # saw the final weights (evaluating again would add the same row twice)
+        final = max(train_samples, self.samples())
+        if state == "finished" and not reason.startswith("reached") and (last is None or last < final):
             await self._evaluate()
         if self._deferred:
             log.info("training done: scoring %d deferred evaluations", len(self._deferred))
