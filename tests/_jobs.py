@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +79,15 @@ def run_jobs_together(tmp_path: Path, template: str, jobs: dict[str, dict[str, A
                 proc.kill()
                 proc.wait()
     return {name: summary(out) for name, (out, _) in started.items()}
+
+
+def trained_log(log: Path, timeout: float = 120) -> str:
+    """The text of a coordinator's ``log`` once it has evaluated trained weights (an ``eval:`` line past 0 samples)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists():
+            text = log.read_text()
+            if any("eval:" in line and " 0 samples" not in line for line in text.splitlines()):
+                return text
+        time.sleep(0.1)
+    raise AssertionError(f"{log}: the job never trained")

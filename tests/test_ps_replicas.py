@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from _jobs import trained_log
 from _observability import fetch
 from dniasync import ActorSystem
 from dniasync.actors import ActorRef
@@ -291,23 +292,10 @@ TARGET = 0.85
 """Held-out accuracy the job reaches on mnist5k (plain Downpour: ~0.9 after 3 epochs at this lr)."""
 
 
-def _wait_training(out: Path, timeout: float = 120) -> str:
-    """The coordinator's log once it has evaluated trained weights."""
-    log = out / "logs" / "coordinator0.log"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if log.exists():
-            text = log.read_text()
-            if any("eval:" in line and " 0 samples" not in line for line in text.splitlines()):
-                return text
-        time.sleep(0.1)
-    raise AssertionError("the job never trained")
-
-
 def _copy_process(out: Path, *, shard: int, copy: int) -> tuple[str, int]:
     """(address, pid) of the process hosting ``copy`` of ``shard``, once the job trains (from the coordinator's
     placement log, as the chaos tool finds it)."""
-    placed = copies_placed(_wait_training(out))
+    placed = copies_placed(trained_log(out / "logs" / "coordinator0.log"))
     address = next((a for a, where in placed.items() if where == (shard, copy)), None)
     assert address is not None, placed
     children = json.loads((out / "cluster.json").read_text())["children"]
@@ -415,7 +403,7 @@ def test_a_copy_frozen_past_the_detection_interval_rejoins_its_chain_when_it_wak
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         tail, pid = _copy_process(out, shard=0, copy=1)
-        node = {where: address for address, where in copies_placed(_wait_training(out)).items()}
+        node = {where: address for address, where in copies_placed(trained_log(out / "logs" / "coordinator0.log")).items()}
         coordinator, chains, exported = _shown(out)
         assert coordinator is not None and coordinator["epoch"] == 1  # the first coordinator runs the job
         assert chains == {k: (1, [(0, node[k, 0], "live"), (1, node[k, 1], "live")]) for k in (0, 1)}, chains

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _jobs import trained_log
 from dniasync import ActorSystem
 from dniasync.cluster.config import ConfigError, load_config
 from dniasync.train.messages import CoordinatorEpoch, Fence, ShardSnapshot, SnapshotShard
@@ -75,15 +76,6 @@ def _wait_for(path: Path, text: str, timeout: float = 120) -> None:
         time.sleep(0.1)
 
 
-def _wait_trained(log: Path, timeout: float = 120) -> None:
-    """Until the coordinator logging to ``log`` has evaluated trained weights."""
-    deadline = time.monotonic() + timeout
-    while not (log.exists() and any("eval:" in line and " 0 samples" not in line
-                                    for line in log.read_text().splitlines())):
-        assert time.monotonic() < deadline, f"{log.name}: the job never trained"
-        time.sleep(0.1)
-
-
 def _coordinator_pid(out: Path) -> int:
     children = json.loads((out / "cluster.json").read_text())["children"]
     return next(int(c["pid"]) for c in children if c["role"] == "coordinator")
@@ -104,7 +96,7 @@ def test_two_coordinator_faults_a_freeze_then_a_kill_are_taken_over_and_the_froz
     logs = out / "logs"
     try:
         _wait_for(logs / "standby0.log", "following the job in training")
-        _wait_trained(logs / "coordinator0.log")  # the first coordinator has history rows of its own to hand on
+        trained_log(logs / "coordinator0.log")  # the first coordinator has history rows of its own to hand on
         first = _coordinator_pid(out)
         os.kill(first, signal.SIGSTOP)
         _wait_for(logs / "standby0.log", "took the job over")
