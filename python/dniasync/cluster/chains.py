@@ -109,6 +109,8 @@ class ChainKeeper(ShardKeeper):
         self._all_down: dict[int, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._locks = [asyncio.Lock() for _ in specs]
+        self._last_chain: dict[int, list[ActorRef]] = {}
+        """Each shard's chain before every copy was cut out of it at once."""
         self._waiting: set[str] = set()
         """PS hosts told that every copy is hosted, that ask again (spares)."""
         self.replaced = 0
@@ -288,7 +290,18 @@ class ChainKeeper(ShardKeeper):
                 if live:
                     self._install(k, live, joining=[])
                 else:
+                    self._last_chain[k] = list(view.chain)  # its order: the head holds every push, the tail less
                     self._set_view(k, [], [])  # no copy left: it comes back from the last snapshot
+            if not live and not view.chain:
+                # every copy was cut at once (a stalled coordinator misses them all): one that answers again, the
+                # same process, heads the chain anew, the first in the last chain's order; the others rejoin
+                same = {c.ref.address for c in self.table[k]  # not restarted meanwhile: its state is the chain's
+                        if c is not None and c.up and not c.joining and c.ref is not None}
+                back = next((ref for ref in self._last_chain.get(k, []) if ref.is_alive and ref.address in same), None)
+                if back is not None:
+                    log.warning("PS shard %d: the copy at %s answers again: it heads the chain anew", k, back.address)
+                    self._install(k, [back], joining=[])
+                    live = [back]
             if not live:
                 since = self._all_down.setdefault(k, now)
                 if now - since >= self._lost_after_s:
