@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from dniasync.cluster.config import Config, ConfigError, load_config, parse_config
+from dniasync.cluster.modes import get_mode
 from dniasync.cluster.modes.pipeline import PipelineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,6 +141,21 @@ def test_replicated_groups_take_any_ps_optimizer() -> None:
     raw = with_(with_(base(), "pipeline.replicas", 2), "optimizer", {"name": "adagrad", "lr": 0.05})
     config = parse_config(with_(raw, "pipeline.n_push", 2))
     assert (config.optimizer.name, config.settings.n_push, config.settings.n_workers) == ("adagrad", 2, 6)
+
+
+def test_stage_shards_take_copies_only_with_ps_shards_and_without_regrouping() -> None:
+    """``ps_replicas``: each stage's PS shard in that many PS processes (counted by the launcher); it needs PS
+    shards, and regrouping, which re-cuts the shards, is refused beside it."""
+    replicated = with_(with_(base(), "pipeline.replicas", 2), "pipeline.ps_replicas", 2)
+    config = parse_config(replicated)
+    assert config.settings.ps_replicas == 2 and get_mode("pipeline").processes(config) == (6, 6)
+    with pytest.raises(ConfigError, match="'pipeline.ps_replicas' applies only with PS shards .* sync.kind is "
+                                          "'local'") as err:
+        parse_config(with_(base(), "pipeline.ps_replicas", 2))
+    assert err.value.key == "pipeline.ps_replicas"
+    with pytest.raises(ConfigError, match="'regroup.enabled' does not apply with pipeline.ps_replicas = 2") as err:
+        parse_config(with_(replicated, "regroup", {"enabled": True}))
+    assert err.value.key == "regroup.enabled"
 
 
 def test_spectrain_runs_with_ps_shards_and_any_of_their_optimizers_not_with_p2p() -> None:

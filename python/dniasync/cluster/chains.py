@@ -35,12 +35,13 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from ..actors import ActorError, ActorRef, Directive
 from ..train.chain import ChainView, CopySpec
+from ..train.messages import ShardStats
 from ..train.specs import ShardSpec
 from .mode_api import JobFailed
 from .protocol import Assignment, JoinJob, NoJob
@@ -48,10 +49,11 @@ from .shards import EVENT_PS_LOST, ShardKeeper
 
 if TYPE_CHECKING:
     from .hosts import Host
+    from .report import RunReport
 
 __all__ = [
     "EVENT_PS_CHAIN", "EVENT_PS_COPY_DOWN", "EVENT_PS_COPY_JOINED", "EVENT_PS_COPY_REPLACED", "SPARE_HOST",
-    "SPARE_POLL_S", "SPARE_UP_S", "ChainKeeper", "copies_placed", "host_copy",
+    "SPARE_POLL_S", "SPARE_UP_S", "ChainKeeper", "copies_placed", "host_copy", "record_chains",
 ]
 
 log = logging.getLogger("dniasync.cluster.chains")
@@ -353,6 +355,48 @@ class ChainKeeper(ShardKeeper):
             out.append({"shard": k, "view": view.number if view is not None else 0, "length": len(chain),
                         "copies": copies})
         return out
+
+
+async def record_chains(report: RunReport, keeper: ChainKeeper, acknowledged: Mapping[str, int],
+                        shards_of: Mapping[str, Sequence[int]] | None = None) -> None:
+    """The summary's figures of replicated shards: each copy's counters (``ps<k>_copy<j>_*``), the chains'
+    changes, and ``ps_acknowledged_pushes`` (what the trainers saw acknowledged: ``acknowledged``, by the
+    :func:`~dniasync.train.chain.pusher` key each copy counts a trainer's pushes under) against
+    ``ps_acknowledged_pushes_kept``: of those, the pushes every live copy holds at the end. Per pusher, the
+    fewer of what it saw acknowledged and what each live copy of each shard it pushes to (``shards_of``; None:
+    every shard, as a Downpour replica) applied of it: a trainer sends its pushes one at a time, in order, so a
+    copy holds a prefix of them. Left out if some shard has no live copy that answers (what it kept is unknown).
+    """
+    report.set_metric("ps_acknowledged_pushes", sum(acknowledged.values()))
+    report.set_metric("ps_chain_changes", keeper.changes)
+    report.set_metric("ps_copies_replaced", keeper.replaced)  # by spares (their process gone)
+    kept: dict[str, int] | None = dict(acknowledged)
+    for k, row in enumerate(keeper.copies):
+        view = keeper.views[k]
+        chain = {ref.address for ref in view.chain} if view is not None else set()
+        holders = 0
+        for j, ref in enumerate(row):
+            if ref is None:
+                continue
+            prefix = f"ps{k}_copy{j}"
+            report.set_metric(f"{prefix}_in_chain", int(ref.address in chain))
+            try:
+                stats: dict[str, Any] = await ref.ask(ShardStats(), timeout=5.0)
+            except ActorError as exc:
+                report.set_metric(f"{prefix}_stats_error", repr(exc))
+                continue
+            for key in ("applied", "version", "forwarded", "acknowledged", "divergent", "transfers"):
+                report.set_metric(f"{prefix}_{key}", int(stats[key]))
+            if kept is not None and ref.address in chain and not stats["catching_up"]:
+                holders += 1
+                applied_by = stats["applied_by"]
+                for who, n in kept.items():
+                    if shards_of is None or k in shards_of[who]:
+                        kept[who] = min(n, int(applied_by.get(who, 0)))
+        if not holders:
+            kept = None  # no live copy of this shard answered: what it kept is unknown
+    if kept is not None:
+        report.set_metric("ps_acknowledged_pushes_kept", sum(kept.values()))
 
 
 async def host_copy(host: Host, spec: CopySpec) -> list[ActorRef]:

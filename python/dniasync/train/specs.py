@@ -292,8 +292,11 @@ class StagesSpec:
     in_features: int
     mailbox_size: int
     ps: list[ActorRef]
-    """With ``replicas > 1`` and PS shards: the PS shard of each hosted stage."""
+    """With ``replicas > 1`` and PS shards: the PS shard of each hosted stage (``ps_copies`` each: its copies, in
+    chain order at first, stage-major)."""
     n_fetch: int = 1
     n_push: int = 1
     p2p: list[P2PSpec] = field(default_factory=list)
     """With ``replicas > 1`` and ``sync.kind = "p2p"``: each hosted stage's peers (that stage in the other pipelines)."""
+    ps_copies: int = 1
+    """Copies of each stage's PS shard (``[pipeline] ps_replicas``): a stage reaches them as one chain."""

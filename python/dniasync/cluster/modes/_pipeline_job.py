@@ -33,6 +33,7 @@ from ..mode_api import JobFailed, Snapshot
 from ..plan import data_spec, model_spec, optimizer_spec, schedule_spec
 from ..protocol import Assignment, JoinJob, NoJob, Ready
 from ..report import EVENT_BATCH_SIZE, RunReport
+from ..shards import ShardKeeper
 from ._peers import ask_peer_stats, inbox_of, ledgers_complete, tell_peers
 from .p2p import SETTLE_S
 from ._pipeline_durable import PipelineDurability
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from ...train.checkpoint import LoadedCheckpoint, Part
     from ...train.pipeline import PipelineDriver, StageStats
     from ...train.schedules import BatchSchedule, CursorSizes
+    from ..chains import ChainKeeper
     from ..config import Config
     from ..hosts import Host
     from ..mode_api import Runner
@@ -146,6 +148,11 @@ class PipelineJob:
         """Addresses of stages whose slot went to another worker (their process died, froze or was cut off)."""
         self.p2p = config.sync_kind == "p2p"
         """The replicas of each stage share its weights peer to peer (no PS shards)."""
+        self.keeper: ChainKeeper | None = None
+        """With ``ps_replicas > 1``: each stage's PS shard copies and their chains."""
+        self.acknowledged: dict[str, tuple[int, int]] = {}
+        """With ``ps_replicas > 1``: each stage incarnation's pusher key -> (its stage, the pushes its chain
+        acknowledged, as it last reported)."""
         self._peers_epoch = 0
 
     def stage_settings(self) -> dict[str, Any]:
@@ -199,6 +206,24 @@ class PipelineJob:
         opt = optimizer_spec(self.config)
         return [ShardSpec(k, 0, buffer.copy(), opt, CodecSpec()) for k, buffer in enumerate(self.eval_buffers)]
 
+    def shard_keeper(self, specs: list[ShardSpec], event: Any, *, lost_after_s: float,
+                     samples: Any) -> ShardKeeper:
+        """The runner's keeper of the stages' PS shards: their chains of copies with ``ps_replicas > 1``."""
+        if self.p.ps_replicas == 1:
+            return ShardKeeper(specs, event, lost_after_s=lost_after_s, samples=samples)
+        from ..chains import ChainKeeper
+
+        self.keeper = ChainKeeper(specs, event, lost_after_s=lost_after_s, samples=samples,
+                                  copies=self.p.ps_replicas)
+        return self.keeper
+
+    def _stage_ps(self, k: int) -> list[ActorRef]:
+        """What a replica of stage ``k`` pushes to: its PS shard, or every copy of it (a chain)."""
+        if self.keeper is not None:
+            return [ref for ref in self.keeper.copies[k] if ref is not None]
+        ref = self.runner.ps[k] if self.runner.ps else None
+        return [ref] if ref is not None else []
+
     # -- placement ------------------------------------------------------------------
     def assign(self, join: JoinJob) -> Assignment | NoJob:
         slot = self.hosts.get(join.member)
@@ -209,11 +234,12 @@ class PipelineJob:
             slot = self.hosts[join.member] = vacant[0]
         pipeline, groups = self.slots[slot]
         log.info("pipeline %d, stages %s go to %s", pipeline, groups, join.member)
-        ps = [ref for k in groups if self.runner.ps for ref in [self.runner.ps[k]] if ref is not None]
+        ps = [ref for k in groups for ref in self._stage_ps(k)]
+        copies = self.p.ps_replicas if self.keeper is not None else 1
         return Assignment(StagesSpec(
             self.model_spec, [list(g) for g in self.groups], groups, pipeline, self.p.replicas,
             self.stage_settings(), self.in_features, self.schedule.stage_mailbox_size(), ps,
-            self.p.n_fetch, self.p.n_push, [self._p2p_spec(k) for k in groups] if self.p2p else [],
+            self.p.n_fetch, self.p.n_push, [self._p2p_spec(k) for k in groups] if self.p2p else [], copies,
         ))
 
     # -- p2p: the replicas of a stage are its peers -------------------------------------
@@ -614,6 +640,9 @@ class PipelineJob:
             extra["stage_steps"] = [s.steps for s in view]
             extra["stage_busy_s"] = [s.busy_seconds for s in view]
             extra["stage_batches"] = [s.layer_batches for s in view]
+        if self.keeper is not None:  # the live page's "PS chains" and the chain metrics
+            extra["ps_chains"] = self.keeper.chains()
+            extra["ps_chain_changes"] = self.keeper.changes
         return extra
 
     # -- evaluation -------------------------------------------------------------------
@@ -706,6 +735,8 @@ class PipelineJob:
             if math.isfinite(s.sg_loss):
                 self._sg_first.setdefault(key, s.sg_loss)
                 self._sg_last[key] = s.sg_loss
+            if s.pusher:  # a replicated shard's copies count its pushes under this key
+                self.acknowledged[s.pusher] = (k, max(s.pushes, self.acknowledged.get(s.pusher, (k, 0))[1]))
             pushed, pulled = self._stage_bytes.get(s.address, (0, 0))
             self.runner.report.add_bytes(pushed=s.bytes_pushed - pushed, pulled=s.bytes_pulled - pulled)
             self._stage_bytes[s.address] = (s.bytes_pushed, s.bytes_pulled)
@@ -750,6 +781,11 @@ class PipelineJob:
                     if math.isfinite(getattr(s, name)):
                         report.set_metric(f"{key}_{name}", getattr(s, name))
         await record_ps_stats(report, self.runner.ps)  # one shard per stage
+        if self.keeper is not None:
+            from ..chains import record_chains
+
+            await record_chains(report, self.keeper, {who: n for who, (_, n) in self.acknowledged.items()},
+                                {who: [k] for who, (k, _) in self.acknowledged.items()})  # a stage: its own shard
         if self.p2p:
             await self._record_p2p(report)
         for key, value in self._sg_first.items():
@@ -780,8 +816,8 @@ async def host_stages(host: Host, spec: StagesSpec) -> list[ActorRef]:
         optimizer = OptimizerSpec(settings.optimizer, settings.lr, momentum=settings.momentum)
         if spec.p2p:  # the stage's replicas send each other their updates: its sync is built with it, as its actor
             peers = (spec.p2p[i], sync.SyncContext(name, time.time_ns() // 1000, optimizer, ask_timeout_s=30.0))
-        elif spec.replicas > 1:  # the stage's replicas share its weights through its PS shard
-            link = PSLinkSpec([spec.ps[i]], [0], spec.n_fetch, spec.n_push)
+        elif spec.replicas > 1:  # the stage's replicas share its weights through its PS shard (or its copies' chain)
+            link = PSLinkSpec(spec.ps[i * spec.ps_copies:(i + 1) * spec.ps_copies], [0], spec.n_fetch, spec.n_push)
             params = sync.build_sync(link, stages[k].layers, sync.SyncContext(
                 f"{name}@{host.system.node}", time.time_ns() // 1000, optimizer, ask_timeout_s=30.0))
         refs.append(await host.spawn(pipeline_module.Stage, *stages[k].args(), **stages[k].kwargs(), params=params,

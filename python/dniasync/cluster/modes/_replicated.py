@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from ...actors import ActorError
 from ...train.chain import pusher
-from ...train.messages import Progress, ShardStats, StopTraining
+from ...train.messages import Progress, StopTraining
 from ...train.specs import PSLinkSpec, ShardSpec
-from ..chains import ChainKeeper
+from ..chains import ChainKeeper, record_chains
 from .downpour import _DownpourJob
 
 if TYPE_CHECKING:
@@ -85,34 +85,7 @@ class ReplicatedDownpourJob(_DownpourJob):
 
     async def record(self, report: RunReport) -> None:
         await super().record(report)
-        report.set_metric("ps_acknowledged_pushes", sum(self.acknowledged.values()))
         if self.keeper is None:
+            report.set_metric("ps_acknowledged_pushes", sum(self.acknowledged.values()))
             return
-        report.set_metric("ps_chain_changes", self.keeper.changes)
-        report.set_metric("ps_copies_replaced", self.keeper.replaced)  # by spares (their process gone)
-        kept: dict[tuple[str, int], int] | None = dict(self.acknowledged)
-        for k, row in enumerate(self.keeper.copies):
-            view = self.keeper.views[k]
-            chain = {ref.address for ref in view.chain} if view is not None else set()
-            holders = 0
-            for j, ref in enumerate(row):
-                if ref is None:
-                    continue
-                prefix = f"ps{k}_copy{j}"
-                report.set_metric(f"{prefix}_in_chain", int(ref.address in chain))
-                try:
-                    stats: dict[str, Any] = await ref.ask(ShardStats(), timeout=5.0)
-                except ActorError as exc:
-                    report.set_metric(f"{prefix}_stats_error", repr(exc))
-                    continue
-                for key in ("applied", "version", "forwarded", "acknowledged", "divergent", "transfers"):
-                    report.set_metric(f"{prefix}_{key}", int(stats[key]))
-                if kept is not None and ref.address in chain and not stats["catching_up"]:
-                    holders += 1
-                    applied_by = stats["applied_by"]
-                    for who, n in kept.items():
-                        kept[who] = min(n, int(applied_by.get(pusher(*who), 0)))
-            if not holders:
-                kept = None  # no live copy of this shard answered: what it kept is unknown
-        if kept is not None:
-            report.set_metric("ps_acknowledged_pushes_kept", sum(kept.values()))
+        await record_chains(report, self.keeper, {pusher(*who): n for who, n in self.acknowledged.items()})

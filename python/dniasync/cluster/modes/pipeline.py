@@ -91,6 +91,10 @@ class PipelineConfig(Section, frozen=True):
         "stage) or DNI x p2p (sync.kind `p2p`: a stage's replicas send each other their updates)"))] = 1
     n_fetch: Annotated[int, Meta(ge=1, description="with PS shards: a stage pulls its parameters every n_fetch steps")] = 1
     n_push: Annotated[int, Meta(ge=1, description="with PS shards: ... and pushes its gradient every n_push steps")] = 1
+    ps_replicas: Annotated[int, Meta(ge=1, description=(
+        "with PS shards: copies of each stage's PS shard, each in a PS process of its own, chain-replicated as "
+        "downpour.ps_replicas: a stage's push is acknowledged once every live copy applied it, and a copy's death "
+        "loses no acknowledged push. 1: one copy, restarted from the last snapshot"))] = 1
     tau: Annotated[float, Meta(gt=0.0, description=(
         "with sync.kind `p2p` (required there): the threshold of the stage replicas' quantized updates, in weight "
         "units (+-tau per element whose accumulated change reached tau, the rest kept in the sender's residual)"))
@@ -194,7 +198,7 @@ class _Pipeline:
         if kind == "p2p":
             _check_p2p(config)
         if not config.sync_needs_ps:
-            for key in ("n_fetch", "n_push"):
+            for key in ("n_fetch", "n_push", "ps_replicas"):
                 if key in raw.get("pipeline", {}):
                     raise ConfigError(f"'pipeline.{key}' applies only with PS shards (sync.kind 'ps', with "
                                       f"pipeline.replicas > 1); sync.kind is {kind!r}", f"pipeline.{key}")
@@ -202,6 +206,10 @@ class _Pipeline:
             if p.lr_decay != "none":
                 raise ConfigError(f"'pipeline.lr_decay' does not apply with sync.kind {kind!r}: the PS shards apply "
                                   "the optimizer", "pipeline.lr_decay")
+            if p.ps_replicas > 1 and config.regroup.enabled:
+                raise ConfigError(f"'regroup.enabled' does not apply with pipeline.ps_replicas = {p.ps_replicas}: "
+                                  "moving layers re-cuts the stages' PS shards, and their copies' chains cannot be "
+                                  "re-cut while they run", "regroup.enabled")
             return  # the shards apply any optimizer; spectrain predicts from the weights' observed velocity
         # each stage steps its own torch optimizer: only its name, lr and (SGD's) momentum apply
         if opt.name not in LOCAL_OPTIMIZERS:
@@ -235,7 +243,8 @@ class _Pipeline:
 
     def processes(self, config: Config) -> tuple[int, int]:
         p: PipelineConfig = config.settings
-        return (len(p.groups) if config.sync_needs_ps else 0), p.n_workers  # a PS shard per stage
+        # a PS shard per stage, each in ps_replicas copies
+        return (len(p.groups) * p.ps_replicas if config.sync_needs_ps else 0), p.n_workers
 
     def summary_lines(self, config: Config, doc: Mapping[str, Any]) -> list[str]:
         p: PipelineConfig = config.settings
@@ -273,11 +282,13 @@ class _Pipeline:
         return PipelineJob(config, runner)
 
     def hosters(self) -> dict[type, Hoster]:
+        from ...train.chain import CopySpec
         from ...train.specs import ShardSpec, StagesSpec
+        from ..chains import host_copy
         from ._pipeline_job import host_stages
         from .downpour import host_shard
 
-        return {StagesSpec: host_stages, ShardSpec: host_shard}
+        return {StagesSpec: host_stages, ShardSpec: host_shard, CopySpec: host_copy}
 
 
 PIPELINE = _Pipeline()

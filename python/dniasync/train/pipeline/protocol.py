@@ -205,6 +205,10 @@ class StageStats:
     batch really costs it, including what its layers' own times leave out."""
     lr: float = float("nan")
     """The learning rate the stage's layers step with now (``lr_scale`` applied); NaN: its PS shards hold it."""
+    pushes: int = 0
+    """Pushes to its PS shard that went through (with replicated shards: that the chain acknowledged)."""
+    pusher: str = ""
+    """With PS shards: the key the shard's copies count this stage's pushes under (empty without)."""
 
 
 @message("dniasync.dni.StateRequest")

@@ -403,6 +403,8 @@ class Stage(Actor):
             measured.get("prediction_error", math.nan),
             self.clock.busy_seconds,
             self.params.lr_now(),
+            params.pushes,
+            params.pusher,
         )
 
     @handler

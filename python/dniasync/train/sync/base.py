@@ -66,6 +66,9 @@ class SyncStats:
     """The version of each remote copy (PS shard, peer) the local weights were last brought to."""
     extra: dict[str, float] = field(default_factory=dict)
     """Figures only this kind of sync has (e.g. ``dense_pulls``, ``delta_pulls``)."""
+    pusher: str = ""
+    """With PS shards: the key under which their copies count this trainer's pushes
+    (:func:`~dniasync.train.chain.pusher`); empty for other syncs."""
 
 
 @dataclass

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from ...actors import ActorError, ActorRef, Backoff
+from ..chain import pusher
 from ..compression import CodecName, DeltaCodec, make_codec, values_digest
 from ..flat import FlatModel, flatten_parameters, split_ranges
 from ..messages import Params, ParamsDelta, Pull, PullDelta, Push
@@ -445,6 +446,7 @@ class PSSync:
             list(link.versions),
             {"dense_bytes_pulled": link.dense_bytes_pulled, "dense_pulls": link.dense_pulls,
              "delta_pulls": link.delta_pulls, "sparse_pushes": link.sparse_pushes},
+            pusher(link.replica, link.incarnation),
         )
 
     async def close(self) -> None:
