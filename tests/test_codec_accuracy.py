@@ -21,7 +21,7 @@ tau 0.05  0.928 0.926 0.921 0.919     1/21
 tau 0.2   0.910 0.902 0.908 0.904     1/38          0.899 0.899
 ========  ==========================  ============  ===================
 
-The bar is 3 points under the reference (the spread between runs of one setting
+The bar is 3 points under the reference, each run scored by the mean of its last 3 evaluations (the spread between runs of one setting
 reaches 2). tau 0.01 and 0.05 are held against uncompressed. tau 0.2 ends 2-3
 points under uncompressed with any pulls, the cost of its pushes (1,600x fewer
 bytes pushed), so it is held against the same pushes with every pull dense
@@ -80,6 +80,16 @@ every_seconds = 1.0
 N_PARAMS = 784 * 64 + 64 + 64 * 10 + 10
 MARGIN = 0.03
 """How far under the uncompressed run's held-out accuracy a compressed run may end."""
+LAST_ROWS = 3
+"""Each run's accuracy is the mean of its last evaluations (one a second): a single asynchronous run's last
+row moves by a point or two from one evaluation to the next (a CI run under load: 0.900 against 0.931)."""
+
+
+def end_accuracy(doc: dict[str, Any]) -> float:
+    """The mean held-out accuracy of a run's last ``LAST_ROWS`` evaluations, the final one included."""
+    rows = [row["accuracy"] for row in doc["history"]][-LAST_ROWS:]
+    assert rows and rows[-1] == doc["final_accuracy"], doc["history"]
+    return float(np.mean(rows))
 
 
 def run_codec_job(tmp_path: Path, name: str, codec: str) -> dict[str, Any]:
@@ -112,8 +122,9 @@ def test_threshold_both_ways_keeps_the_accuracy_of_dense_pulls_with_fewer_bytes(
         tmp_path: Path, reference: Any, tau: float, against: str) -> None:
     doc = run_codec_job(tmp_path, f"threshold_{tau}", f'codec = "threshold"\ntau = {tau}')
     ref = reference(against)
-    assert doc["final_accuracy"] >= ref["final_accuracy"] - MARGIN, (
-        f"tau {tau}: {doc['final_accuracy']} against {ref['final_accuracy']} ({against})")
+    assert end_accuracy(doc) >= end_accuracy(ref) - MARGIN, (
+        f"tau {tau}: {end_accuracy(doc):.3f} against {end_accuracy(ref):.3f} ({against}), over the last "
+        f"{LAST_ROWS} evaluations")
     metrics = doc["metrics"]
     # both shards answered deltas, most pulls; what those pulls would have taken dense (the shards hold halves)
     pulls = [metrics[f"ps{k}_dense_pulls"] + metrics[f"ps{k}_delta_pulls"] for k in (0, 1)]
