@@ -12,6 +12,31 @@ silent too long) loses its portions to the queue.
 :class:`SandblasterCoordinator` runs :class:`~dniasync.train.lbfgs.VectorFreeLBFGS`
 over the shards (it is the driver's :class:`~dniasync.train.lbfgs.ShardGroup`):
 a function evaluation is one batch of the work queue.
+
+Replicated shards (``[sandblaster] ps_replicas = R > 1``): primary-backup
+with the coordinator as the sequencer. Why not the chain Downpour's shards
+use: here every write that matters is already a command from one place (the
+coordinator), so sending it to each copy in the same order keeps the copies
+equal with no forwarding and no extra round trip, and the commands are
+deterministic (the same command on the same state gives the same scalars),
+so any copy's answer is the answer: the first copy's is used and a copy that
+answers otherwise is counted (``copy_disagreements``) and logged. The
+coordinator commands the copies it knows to hold the shard's state
+(``commanded``); the copies that are live come from the job runner's
+:class:`~dniasync.cluster.chains.ChainKeeper` (each shard's view, whose
+copies its transport has not declared down; ``copies``, with each copy's
+incarnation). A commanded copy that fails a command, refuses it (it lacks a
+staged push) or is cut out of the view while the command waits on it is
+dropped. A live copy not commanded (restarted by the launcher, a spare in a
+dead copy's place, one that was cut out while frozen) is given the state of
+a commanded copy just before the next :class:`~dniasync.train.sandblaster.Trial`
+and commanded from then on: a trial drops the staged pushes, so the vectors
+are the whole state there, and copies join only there, so a replica learns
+a new batch's copies from the :class:`~dniasync.train.sandblaster.Assign`
+that opens it for it and stages its pushes on every one; a commit whose push
+some commanded copy did not stage is refused (its portions go back to the
+queue). A shard with no commanded copy left ends the job: its L-BFGS state
+is gone.
 """
 
 from __future__ import annotations
@@ -25,9 +50,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..actors import Actor, ActorRef, handler
+from ..actors import Actor, ActorError, ActorRef, handler
 from .lbfgs import LBFGSResult, LBFGSSettings, VectorFreeLBFGS, combine_accept, combine_direction
-from .sandblaster import (IDLE, STOP, Accept, Assign, Commit, Direction, Reduce, Scalars, Trial, Work)
+from .sandblaster import (IDLE, STOP, Accept, Assign, Commit, Direction, GetShardState, Reduce, Refused, Scalars,
+                          ShardState, Trial, Work)
 from .schedules import ScheduleSpec, make_schedule
 from .telemetry import track_sandblaster
 
@@ -115,12 +141,9 @@ class PortionQueue:
         if not valid or any(p in self.committed for p in portions):
             self.commits_refused += 1
             for p in portions:
-                if 0 <= p < self.n and p not in self.committed:
-                    self.holders[p].discard(replica)
-                    if not self.holders[p] and p not in self.pending:
-                        self.pending.append(p)
-                elif 0 <= p < self.n:
+                if 0 <= p < self.n and p in self.committed:
                     self.duplicates_dropped += 1
+            self.refuse(replica, portions)
             return False
         for p, loss in zip(portions, losses):
             self.committed[p] = (replica, seq)
@@ -130,6 +153,14 @@ class PortionQueue:
             self.holders[p].discard(replica)
         self.pushes.append((min(portions), replica, seq))
         return True
+
+    def refuse(self, replica: str, portions: list[int]) -> None:
+        """A push of ``portions`` is not counted: those nobody committed go back to the queue."""
+        for p in portions:
+            if 0 <= p < self.n and p not in self.committed:
+                self.holders[p].discard(replica)
+                if not self.holders[p] and p not in self.pending:
+                    self.pending.append(p)
 
     def drop(self, replica: str) -> int:
         """``replica`` is gone: the portions only it held go back to the queue; returns how many."""
@@ -191,6 +222,16 @@ class Board:
     stopping: bool = False
     queue: PortionQueue | None = None
     on_dead: Callable[[str, int], None] | None = None
+    commanded: list[list[ActorRef]] = field(default_factory=list)
+    """Each shard's copies the coordinator commands (they hold its state): evaluations fetch from them."""
+    copy_transfers: int = 0
+    """States given to a copy that was not commanded (restarted, a spare, back from a freeze)."""
+    copies_dropped: int = 0
+    """Copies no longer commanded (they failed a command or were cut out of their shard's view)."""
+    copy_disagreements: int = 0
+    """Commands a copy answered otherwise than the first copy of its shard."""
+    commits_refused_copies: int = 0
+    """Commits refused because a commanded copy had not staged the push."""
 
 
 class SandblasterCoordinator(Actor):
@@ -200,8 +241,13 @@ class SandblasterCoordinator(Actor):
 
     def __init__(self, shards: list[ActorRef], settings: LBFGSSettings, n_train: int, portion_size: int,
                  backup_threshold: float, board: Board, measure: Callable[[Any, bool], int] | None = None,
-                 schedule: ScheduleSpec | None = None) -> None:
+                 schedule: ScheduleSpec | None = None,
+                 copies: Callable[[], list[list[tuple[ActorRef, int]]]] | None = None) -> None:
+        """``copies()``: each shard's live copies now, each with its incarnation (default: ``shards``, one each)."""
         self.shards = shards
+        self.copies = copies if copies is not None else (lambda: [[(ref, 0)] for ref in shards])
+        self.commanded: list[list[tuple[ActorRef, int]]] = self.copies()
+        board.commanded = [[ref for ref, _ in row] for row in self.commanded]
         self.settings = settings
         self.n_train = n_train
         self.portion_size = portion_size
@@ -275,17 +321,117 @@ class SandblasterCoordinator(Actor):
         b.sample_sizes.append((n_iter, size))
         return True
 
-    # -- commands to every shard ----------------------------------------------------------------
+    # -- commands to every commanded copy of every shard -------------------------------------------
+    def _drop(self, k: int, ref: ActorRef, incarnation: int, why: str) -> None:
+        row = self.commanded[k]
+        if (ref, incarnation) in row:
+            row.remove((ref, incarnation))
+            self.board.copies_dropped += 1
+            self.board.commanded[k] = [r for r, _ in row]
+            log.warning("PS shard %d: the copy at %s is no longer commanded (%s); %d left", k, ref.address, why,
+                        len(row))
+
+    def _prune(self) -> list[list[tuple[ActorRef, int]]]:
+        """Drop the commanded copies cut out of their shard's view (or restarted since); the live copies now."""
+        live = self.copies()
+        for k, row in enumerate(self.commanded):
+            here = {(ref.address, inc) for ref, inc in live[k]}
+            for ref, inc in list(row):
+                if (ref.address, inc) not in here:
+                    self._drop(k, ref, inc, "cut out of the shard's copies, or restarted")
+        return live
+
+    async def _join_copies(self) -> None:
+        """Give every live copy not commanded a commanded copy's state; command it from now on (before a trial)."""
+        live = self._prune()
+        for k, row in enumerate(self.commanded):
+            if not row:
+                raise RuntimeError(f"every copy of PS shard {k} is lost, and its L-BFGS state with it")
+            known = {(ref.address, inc) for ref, inc in row}
+            joining = [(ref, inc) for ref, inc in live[k] if (ref.address, inc) not in known]
+            if not joining:
+                continue
+            state = await self._state_of(k)
+            for ref, inc in joining:
+                try:
+                    taken = await ref.ask(state, timeout=COMMAND_TIMEOUT_S)
+                except (ActorError, TimeoutError) as exc:
+                    log.warning("PS shard %d: the copy at %s did not take the state: %r", k, ref.address, exc)
+                    continue
+                if taken is True:
+                    row.append((ref, inc))
+                    self.board.copy_transfers += 1
+                    log.warning("PS shard %d: the copy at %s took the state of %s (batch %d); commanded again, %d "
+                                "copies", k, ref.address, row[0][0].address, state.batch, len(row))
+            self.board.commanded[k] = [r for r, _ in row]
+
+    async def _state_of(self, k: int) -> ShardState:
+        for ref, inc in list(self.commanded[k]):
+            try:
+                state = await ref.ask(GetShardState(), timeout=COMMAND_TIMEOUT_S)
+            except (ActorError, TimeoutError) as exc:
+                self._drop(k, ref, inc, f"its state could not be taken: {exc!r}")
+                continue
+            if isinstance(state, ShardState):
+                return state
+            self._drop(k, ref, inc, f"it gave no state: {state!r}")
+        raise RuntimeError(f"every copy of PS shard {k} is lost, and its L-BFGS state with it")
+
+    async def _command(self, k: int, msg: Any) -> tuple[Any, int]:
+        """``msg`` to every commanded copy of shard ``k``: the first one's answer, and how many copies were asked.
+
+        A copy that fails or refuses is dropped; one still silent once another answered is dropped as soon as it
+        is cut out of the shard's view (its node declared down), not only at the command's timeout."""
+        asks = {asyncio.create_task(ref.ask(msg, timeout=COMMAND_TIMEOUT_S)): (ref, inc)
+                for ref, inc in self.commanded[k]}
+        answers: dict[tuple[ActorRef, int], Any] = {}
+        pending = set(asks)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, timeout=WAIT_TICK_S)
+                for task in done:
+                    ref, inc = asks[task]
+                    exc = task.exception()
+                    if exc is not None or isinstance(task.result(), Refused):
+                        self._drop(k, ref, inc, repr(exc) if exc is not None else task.result().reason)
+                    else:
+                        answers[(ref, inc)] = task.result()
+                if answers and pending:
+                    live = {(ref.address, inc) for ref, inc in self.copies()[k]}
+                    for task in list(pending):
+                        ref, inc = asks[task]
+                        if (ref.address, inc) not in live:
+                            task.cancel()
+                            pending.discard(task)
+                            self._drop(k, ref, inc, f"cut out of the shard's copies while {type(msg).__name__} waited")
+        finally:
+            for task in pending:
+                task.cancel()
+        order = [key for key in asks.values() if key in answers]
+        if not order:
+            raise RuntimeError(f"no copy of PS shard {k} answered {type(msg).__name__}: every copy is lost, and its "
+                               "L-BFGS state with it")
+        first = answers[order[0]]
+        for key in order[1:]:
+            if answers[key] != first:
+                self.board.copy_disagreements += 1
+                log.error("PS shard %d: the copy at %s answered %s %r, the copy at %s %r", k, key[0].address,
+                          type(msg).__name__, answers[key], order[0][0].address, first)
+        return first, len(asks)
+
     async def _all(self, msg: Any) -> list[Any]:
-        replies = await asyncio.gather(*(s.ask(msg, timeout=COMMAND_TIMEOUT_S) for s in self.shards))
+        results = await asyncio.gather(*(self._command(k, msg) for k in range(len(self.commanded))))
+        replies = [reply for reply, _ in results]
         if self.measure is not None:
-            self.board.command_bytes += (self.measure(msg, False) * len(self.shards)
-                                         + sum(self.measure(r, True) for r in replies))
+            asked = sum(n for _, n in results)
+            self.board.command_bytes += (self.measure(msg, False) * asked
+                                         + sum(self.measure(r, True) * n for r, n in results))
         self.board.command_scalars += sum(len(r.values) for r in replies if isinstance(r, Scalars))
         return replies
 
     async def evaluate(self, t: float) -> float:
         batch, m = self.queue.batch + 1, self.board.sample_size
+        await self._join_copies()
         await self._all(Trial(batch, t))
         self._batch_done.clear()
         self.queue.start(batch, -(-m // self.portion_size))
@@ -341,13 +487,26 @@ class SandblasterCoordinator(Actor):
             return Assign(q.batch, STOP, False, True)
         keep = msg.done >= 0 and msg.batch == q.batch and q.keep(msg.replica, msg.done)
         portion, flush = q.next_for(msg.replica)
-        return Assign(q.batch, portion, keep, flush)
+        if msg.batch == q.batch:
+            return Assign(q.batch, portion, keep, flush)
+        # another batch for this replica: the copies it stages on and fetches from (they join only at a trial)
+        rows = self.board.commanded
+        return Assign(q.batch, portion, keep, flush, [ref for row in rows for ref in row], [len(row) for row in rows])
 
     @handler
     def commit(self, msg: Commit) -> bool:
         self.board.last_seen[msg.replica] = time.monotonic()
         if msg.batch != self.queue.batch or not self.queue.active:
             self.queue.commits_refused += 1
+            return False
+        self._prune()
+        staged = set(msg.copies)
+        missing = [ref.address for row in self.commanded for ref, _ in row if ref.address not in staged]
+        if missing:  # a copy the push did not reach could not reduce the batch: its portions are computed again
+            self.queue.commits_refused += 1
+            self.board.commits_refused_copies += 1
+            self.queue.refuse(msg.replica, list(msg.portions))
+            log.info("push %d of %s refused: not staged on %s", msg.seq, msg.replica, missing)
             return False
         accepted = self.queue.commit(msg.replica, msg.seq, list(msg.portions), list(msg.losses), list(msg.grad_sq))
         if self.queue.complete:

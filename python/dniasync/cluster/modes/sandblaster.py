@@ -8,7 +8,9 @@ history. The coordinator node runs a
 vector-free L-BFGS driver (commands out, scalars back) and the work queue that
 hands out the portions of each full-batch gradient to the replicas, with
 backup tasks near the end of a batch. ``[optimizer]`` is not used: the step
-comes from L-BFGS and its line search.
+comes from L-BFGS and its line search. With ``ps_replicas = R > 1`` each
+shard has R copies (:mod:`._sandblaster_copies`), commanded in step by the
+coordinator, so a copy's death loses nothing.
 """
 
 from __future__ import annotations
@@ -78,6 +80,11 @@ class SandblasterConfig(Section, frozen=True):
         "the outstanding ones (backup tasks); 1 disables them"))] = 0.5
     silence_s: Annotated[float, Meta(gt=0.0, description=(
         "a replica silent this long loses its portions to the queue (a dead node's sooner)"))] = 20.0
+    ps_replicas: Annotated[int, Meta(ge=1, description=(
+        "copies of each PS shard, each in a PS process of its own: the coordinator sends every command to every "
+        "live copy in the same order and replicas stage each push on every one before they commit it, so a copy's "
+        "death loses nothing (a restarted copy takes a live copy's state before the next batch). 1: one copy; "
+        "the job fails if it dies"))] = 1
 
 
 def _measure(value: Any, reply: bool) -> int:
@@ -139,6 +146,10 @@ class _SandblasterJob:
     def _shard_refs(self) -> list[ActorRef]:
         return [ref for ref in self.runner.ps if ref is not None]
 
+    def live_copies(self) -> list[list[tuple[ActorRef, int]]]:
+        """Each shard's live copies with their incarnations (the coordinator commands those): here, one each."""
+        return [[(ref, 0)] for ref in self._shard_refs()]
+
     def assign(self, join: JoinJob) -> Assignment | NoJob:
         # any worker that joins takes work (a restarted one too): the queue gives each what it can do
         self.replicas[replica_name(join.member)] = "alive"
@@ -158,7 +169,7 @@ class _SandblasterJob:
             self.coordinator = await self.runner.system.spawn(
                 SandblasterCoordinator, self._shard_refs(), self.lbfgs, self.config.data.n_train,
                 self.settings.portion_size, self.settings.backup_threshold, self.board, _measure,
-                schedule_spec(self.config), name=COORDINATOR_NAME, supervision=Directive.STOP)
+                schedule_spec(self.config), self.live_copies, name=COORDINATOR_NAME, supervision=Directive.STOP)
             self.runner.mark_started()
 
     def _replica_gone(self, name: str, returned: int) -> None:
@@ -218,10 +229,24 @@ class _SandblasterJob:
         return figures
 
     async def _params(self) -> np.ndarray:
-        replies = await asyncio.gather(*(ps.ask(Fetch(-1), timeout=10.0) for ps in self._shard_refs()))
+        async def fetch(copies: list[ActorRef]) -> Slice:
+            """From the first copy that answers (the coordinator commands each of them)."""
+            for ref in copies[:-1]:
+                try:
+                    reply = await ref.ask(Fetch(-1), timeout=10.0)
+                except ActorError:
+                    continue
+                if isinstance(reply, Slice):
+                    return reply
+            reply = await copies[-1].ask(Fetch(-1), timeout=10.0)
+            if not isinstance(reply, Slice):
+                raise ActorError(f"{copies[-1].address}: {reply!r}")
+            return reply
+
+        commanded = self.board.commanded or [[ref] for ref in self._shard_refs()]
+        replies = await asyncio.gather(*(fetch(row) for row in commanded if row))
         out = np.empty(self.n_params, dtype=np.float64)
         for reply in replies:
-            assert isinstance(reply, Slice)
             offset, length = self.ranges[reply.shard]
             out[offset:offset + length] = reply.values
         return out
@@ -308,7 +333,7 @@ class _Sandblaster(DataParallelMode):
                               "sandblaster.n_ps_shards")
 
     def processes(self, config: Config) -> tuple[int, int]:
-        return config.settings.n_ps_shards, config.settings.n_replicas
+        return config.settings.n_ps_shards * config.settings.ps_replicas, config.settings.n_replicas
 
     def summary_lines(self, config: Config, doc: Mapping[str, Any]) -> list[str]:
         doc = doc.get("metrics", {})
@@ -317,6 +342,9 @@ class _Sandblaster(DataParallelMode):
                 f"  portions reissued  {doc.get('portions_reissued', 0)} (backup tasks {doc.get('backup_tasks', 0)}, "
                 f"duplicates dropped {doc.get('duplicates_dropped', 0)})",
                 f"  coordinator bytes  {doc.get('coordinator_bytes_per_iteration', 0):,.0f} per iteration",
+                *([f"  PS shard copies    {doc.get('ps_copies_lost', 0)} lost, {doc.get('ps_copies_rejoined', 0)} "
+                   f"rejoined ({doc.get('ps_copy_transfers', 0)} states transferred), identical at the end: "
+                   f"{'yes' if doc.get('ps_copies_identical') else 'no'}"] if "ps_copies_identical" in doc else []),
                 *([f"  sample             {doc.get('sample_size', 0):,} examples (iteration:size "
                    f"{doc['sample_sizes']})"] if "," in str(doc.get("sample_sizes", "")) else [])]
 
@@ -324,6 +352,10 @@ class _Sandblaster(DataParallelMode):
         return ()  # its progress is the L-BFGS line the status carries (``lbfgs``)
 
     def job(self, config: Config, runner: Runner) -> _SandblasterJob:
+        if config.settings.ps_replicas > 1:
+            from ._sandblaster_copies import ReplicatedSandblasterJob
+
+            return ReplicatedSandblasterJob(config, runner)
         return _SandblasterJob(config, runner)
 
     def hosters(self) -> dict[type, Hoster]:
