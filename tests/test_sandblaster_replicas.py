@@ -1,7 +1,7 @@
 """Replicated Sandblaster shards (``[sandblaster] ps_replicas``): a copy killed mid-run loses nothing.
 
-One real job through the local launcher: two shards, two copies each; a
-copy of shard 0 is killed with SIGKILL once L-BFGS has run a few iterations.
+One real job through the local launcher: two shards, two copies each; the
+chaos tool's ``kill_ps_copy`` SIGKILLs a copy once L-BFGS has run a few iterations.
 The launcher starts it again, the coordinator gives it a live copy's state
 before a batch and commands it from then on (the replicas are frozen until
 it is back in its shard's view, so the job cannot end before it rejoins). Since every command reached a
@@ -12,21 +12,18 @@ the same parameters at the end.
 
 from __future__ import annotations
 
-import json
+import asyncio
+import io
 import os
 import re
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 from test_sandblaster import assert_same_iterates, finish, launch, wait_iterations, workers, write_job
 
+from dniasync.chaos._tool import Chaos
 from dniasync.cluster.chains import copies_placed
-
-
-def ps_children(out: Path) -> list[dict[str, Any]]:
-    return [c for c in json.loads((out / "cluster.json").read_text())["children"] if c["role"] == "ps"]
 
 
 def wait_back_in_view(log: Path, shard: int, timeout: float = 60) -> None:
@@ -46,13 +43,16 @@ def test_a_copy_killed_mid_run_loses_nothing_and_rejoins_with_the_same_state(tmp
         wait_iterations(out, 3)
         placed = copies_placed((out / "logs" / "coordinator0.log").read_text())
         assert sorted(placed.values()) == [(0, 0), (0, 1), (1, 0), (1, 1)], placed
-        victim = next(c for c in ps_children(out) if placed.get(c["address"]) == (0, 0))
         frozen = [int(c["pid"]) for c in workers(out)]
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
         try:
-            os.kill(int(victim["pid"]), signal.SIGKILL)
-            wait_back_in_view(out / "logs" / "coordinator0.log", 0)
+            chaos = Chaos(out, ["kill_ps_copy"], seed=1, out=io.StringIO())
+            asyncio.run(chaos.check_replicated())  # it refuses a job without replicated shards
+            fault = asyncio.run(chaos.inject("kill_ps_copy"))
+            assert fault["kind"] == "kill_ps_copy", fault
+            shard, copy = fault["shard"], fault["copy"]
+            wait_back_in_view(out / "logs" / "coordinator0.log", shard)
         finally:
             for pid in frozen:
                 os.kill(pid, signal.SIGCONT)
@@ -66,14 +66,14 @@ def test_a_copy_killed_mid_run_loses_nothing_and_rejoins_with_the_same_state(tmp
     events = doc["events"]
     down = [e for e in events if e["kind"] == "ps_copy_down"]
     joined = [e for e in events if e["kind"] == "ps_copy_joined"]
-    assert [e["shard"] for e in down] == [0], events
-    assert [(e["shard"], e["copy"]) for e in joined] == [(0, 0)], events
+    assert [e["shard"] for e in down] == [shard], events
+    assert [(e["shard"], e["copy"]) for e in joined] == [(shard, copy)], events
     m = doc["metrics"]
     assert m["ps_copies_lost"] == 1 and m["ps_copies_rejoined"] == 1
     assert m["ps_copy_transfers"] == 1 and m["ps_copy_disagreements"] == 0
     # the copy that came back is commanded again, and every shard's copies hold the same parameters
     assert all(m[f"ps{k}_copy{j}_commanded"] == 1 for k in (0, 1) for j in (0, 1)), m
-    assert m["ps0_copy0_transfers"] == 1
+    assert m[f"ps{shard}_copy{copy}_transfers"] == 1
     for k in (0, 1):
         assert m[f"ps{k}_copy0_x_sha256"] == m[f"ps{k}_copy1_x_sha256"]
     assert m["ps_copies_identical"] == 1

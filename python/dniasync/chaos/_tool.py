@@ -22,7 +22,8 @@ __all__ = ["DEFAULT_FAULTS", "FAULTS", "Chaos", "main", "process_resources"]
 FAULTS: Final = ("kill_ps", "kill_replica", "freeze", "reset", "blackhole", "delay", "kill_ps_copy",
                   "kill_coordinator")
 """Every fault the tool injects; ``reset``, ``blackhole`` and ``delay`` need the launcher's proxies,
-``kill_ps_copy`` a job with replicated PS shards (``[downpour] ps_replicas >= 2``), ``kill_coordinator`` a job
+``kill_ps_copy`` a job with replicated PS shards (``ps_replicas >= 2`` in ``[downpour]``, ``[pipeline]`` or
+``[sandblaster]``), ``kill_coordinator`` a job
 with a standby coordinator (``[job] standby = true``)."""
 DEFAULT_FAULTS: Final = FAULTS[:-2]
 """What ``--faults`` defaults to: every fault any Downpour job takes."""
@@ -122,16 +123,19 @@ class Chaos:
                 out[str(pid)] = {"role": role, "slot": slot, **found}
         return out
 
+    def _coordinator_logs(self) -> str:
+        logs = [c["log"] for c in self.cluster().get("children", []) if c["role"] == "coordinator" and c.get("log")]
+        try:
+            return "\n".join(Path(path).read_text() for path in logs)
+        except OSError:
+            return ""
+
     def ps_copies(self) -> dict[str, tuple[int, int]]:
         """Address -> (shard, copy) of every copy of a replicated PS shard, as the coordinator placed them (empty:
         the job has no replicated shard)."""
         from ..cluster.chains import copies_placed
 
-        logs = [c["log"] for c in self.cluster().get("children", []) if c["role"] == "coordinator" and c.get("log")]
-        try:
-            return {a: where for path in logs for a, where in copies_placed(Path(path).read_text()).items()}
-        except OSError:
-            return {}
+        return copies_placed(self._coordinator_logs())
 
     async def check_replicated(self) -> None:
         """Refuse ``kill_ps_copy`` against a job without replicated PS shards (its placements are logged before
@@ -140,8 +144,10 @@ class Chaos:
             if self.ps_copies():
                 return
             await asyncio.sleep(0.25)
-        raise ValueError(f"fault kill_ps_copy needs replicated PS shards ([downpour] ps_replicas >= 2): the job in "
-                         f"{self.job_dir} has none; leave kill_ps_copy out of --faults (kill_ps kills a PS process)")
+        mode = re.search(r"running job \S+ \((\w+)\)", self._coordinator_logs())
+        raise ValueError(f"fault kill_ps_copy needs replicated PS shards (ps_replicas >= 2 in [downpour], [pipeline] "
+                         f"or [sandblaster]): the job in {self.job_dir} (mode {mode.group(1) if mode else '?'}) has "
+                         "none; leave kill_ps_copy out of --faults (kill_ps kills a PS process)")
 
     async def check_standby(self) -> None:
         """Refuse ``kill_coordinator`` against a job without a standby coordinator (it would end the job)."""
@@ -326,7 +332,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--job-dir", required=True, type=Path, help="the job's output_dir (where cluster.json is)")
     p.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
                    help=f"comma-separated, from {', '.join(FAULTS)} (default: all but kill_ps_copy, which needs "
-                        "[downpour] ps_replicas >= 2 (kill_ps then kills a copy too, of any shard), and "
+                        "ps_replicas >= 2 in [downpour], [pipeline] or [sandblaster] (kill_ps then kills a copy too, "
+                        "of any shard), and "
                         "kill_coordinator, which needs [job] standby = true)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--first", type=float, default=20.0, help="seconds of training before the first fault")

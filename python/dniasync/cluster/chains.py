@@ -329,6 +329,11 @@ class ChainKeeper(ShardKeeper):
                 self._event(EVENT_PS_COPY_JOINED, shard=k, copy=j, address=ref.address, member=copy.member)
 
     # -- status -----------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """What the job's status carries of the copies (the live page's "PS chains", the chain metrics): ``ps_chains``
+        (:meth:`chains`) and ``ps_chain_changes``."""
+        return {"ps_chains": self.chains(), "ps_chain_changes": self.changes}
+
     def chains(self) -> list[dict[str, Any]]:
         """Each shard's chain now, as plain data (it travels in the job's status: the live page, the metrics).
 

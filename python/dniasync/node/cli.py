@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_count,
         metavar="N",
         help="auto only: the launcher starts N ranks beyond the job's (its last N), which wait as spares and each "
-        "take the place of a copy of a replicated PS shard ([downpour] ps_replicas >= 2) whose process died; "
+        "take the place of a copy of a replicated PS shard (ps_replicas >= 2) whose process died; "
         "without a launcher start one with --role spare --join HOST:PORT",
     )
     parser.add_argument(

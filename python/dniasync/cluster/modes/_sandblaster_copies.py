@@ -93,9 +93,8 @@ class ReplicatedSandblasterJob(_SandblasterJob):
 
     def extra(self) -> dict[str, Any]:
         out = super().extra()
-        if self.keeper is not None:  # the live page's "PS chains" and the chain metrics
-            out["ps_chains"] = self.keeper.chains()
-            out["ps_chain_changes"] = self.keeper.changes
+        if self.keeper is not None:
+            out.update(self.keeper.status())
         return out
 
     async def record(self, report: RunReport) -> None:
