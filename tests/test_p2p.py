@@ -525,7 +525,7 @@ def test_a_late_peer_starts_from_a_neighbours_copy_and_reaches_the_others(tmp_pa
 
 
 def test_a_peer_frozen_for_10_s_does_not_stop_the_others_and_catches_up(tmp_path: Path) -> None:
-    config, out = write_job(tmp_path, "freeze", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=30)
+    config, out = write_job(tmp_path, "freeze", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=22)
     cluster = _Cluster(tmp_path, config, out)
     try:
         for name in ("w0", "w1", "w2"):
@@ -539,7 +539,7 @@ def test_a_peer_frozen_for_10_s_does_not_stop_the_others_and_catches_up(tmp_path
         doc = cluster.finished()
     finally:
         cluster.stop()
-    assert doc["stop_reason"] == "ran 30 s"
+    assert doc["stop_reason"] == "ran 22 s"
     m = doc["metrics"]
     peers = _peer_names(doc)
     assert frozen in peers and m["peers_alive"] == 3  # it is back among the live peers
