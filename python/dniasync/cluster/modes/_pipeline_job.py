@@ -641,8 +641,7 @@ class PipelineJob:
             extra["stage_busy_s"] = [s.busy_seconds for s in view]
             extra["stage_batches"] = [s.layer_batches for s in view]
         if self.keeper is not None:  # the live page's "PS chains" and the chain metrics
-            extra["ps_chains"] = self.keeper.chains()
-            extra["ps_chain_changes"] = self.keeper.changes
+            extra |= self.keeper.status()
         return extra
 
     # -- evaluation -------------------------------------------------------------------
