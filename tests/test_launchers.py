@@ -246,6 +246,26 @@ def test_a_world_size_that_does_not_fit_the_job_fails_naming_both(downpour: Conf
         place(detect_launcher(_torchrun(0, world=6)), downpour)
 
 
+def test_a_standby_coordinator_is_the_rank_after_the_workers_and_follows_rank_0() -> None:
+    """``[job] standby = true`` under ``--role auto``: one more rank, before any spare; it follows rank 0 (``--join``)
+    and listens where the members do, so the other ranks reach it once it takes the job over."""
+    raw = _raw()
+    raw["job"]["standby"] = True
+    config = parse_config(raw, resolve=False)
+    roles = [place(detect_launcher(_slurm(rank, ntasks=6)), config).role for rank in range(6)]
+    assert roles == ["coordinator", "ps", "ps", "worker", "worker", "standby"]
+    assert [role_of_rank(r, 1, 1, standby=True) for r in range(5)] == ["coordinator", "ps", "worker", "standby",
+                                                                       "spare"]
+    standby = place(detect_launcher(_slurm(5, ntasks=6)), config)
+    assert (standby.listen, standby.join) == ("127.0.0.1:0", "127.0.0.1:14242")
+    across = place(detect_launcher(_slurm(5, ntasks=6, nodelist="node[1-3]", SLURMD_NODENAME="node3")), config,
+                   route=lambda h, p: "10.0.0.8")
+    assert (across.role, across.listen, across.join) == ("standby", "10.0.0.8:0", "node1:14242")
+    with pytest.raises(LauncherError, match=r"needs 6: 1 coordinator, 2 PS shard\(s\), 2 replica\(s\), 1 standby "
+                                            r"coordinator \(job.standby\); set sbatch/srun --ntasks to 6$"):
+        place(detect_launcher(_slurm(0, ntasks=5)), config)
+
+
 @pytest.fixture(scope="module")
 def replicated() -> Config:
     """Two PS shards of two copies each and two replicas: seven ranks, and the spares."""

@@ -397,6 +397,67 @@ def test_a_spare_takes_the_place_of_a_killed_ps_copy_and_nothing_acknowledged_is
           "the copy was missed")
 
 
+STANDBY_SCRIPT = """\
+#!/bin/bash
+#SBATCH --ntasks=6
+#SBATCH --cpus-per-task=1
+export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
+srun --label python -m dniasync.node --role auto --config "$1"
+"""
+STANDBY_ROLES = ["coordinator", "ps", "ps", "worker", "worker", "standby"]
+"""``[job] standby = true``: the job's five ranks and its standby coordinator."""
+
+
+def test_a_standby_rank_takes_the_job_over_when_rank_0_is_killed_and_every_rank_follows_it(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """``[job] standby = true`` under ``--role auto``: SIGKILL of rank 0 mid-run; the standby rank takes the job over
+    (epoch 2) with the same processes, the other ranks follow it, and it ends the job with one summary."""
+    config = _job(tmp_path, target=None, max_seconds=14, max_epochs=100_000)
+    config.write_text(config.read_text().replace('output_dir =', 'standby = true\noutput_dir ='))
+    script = tmp_path / "standby.sbatch"
+    script.write_text(STANDBY_SCRIPT)
+    proc = slurm.run("sbatch", "--parsable", f"--chdir={tmp_path}", f"--output={tmp_path}/slurm-%j.out",
+                     str(script), str(config))
+    job_id = proc.stdout.strip().split(";")[0]
+    assert job_id.isdigit(), f"sbatch did not submit: {proc.stdout}{proc.stderr}"
+    output = tmp_path / f"slurm-{job_id}.out"
+
+    def trained() -> str:
+        if slurm.job_state(job_id) not in ("PENDING", "RUNNING"):
+            raise AssertionError(f"job {job_id} ended early:\n" + (output.read_text() if output.exists() else ""))
+        text = output.read_text() if output.exists() else ""
+        evals = [line for line in text.splitlines() if line.startswith("0: ") and " eval: " in line]
+        return text if any(" 0 samples" not in line for line in evals) else ""
+
+    log = _wait_for(trained, 300, "the job to train", every=0.2)
+    standby = re.search(r"^5: dniasync node standby listening on (\S+)$", log, re.M)
+    assert standby is not None, log
+    os.kill(_rank_process(job_id, 0), signal.SIGKILL)
+    _wait_for(lambda: slurm.job_state(job_id) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 180,
+              f"job {job_id} to end")
+    log = output.read_text()
+    for r, role in enumerate(STANDBY_ROLES):
+        assert f"{r}: dniasync --role auto: slurm rank {r} of 6, job {job_id} -> {role}; " in log, log
+    assert "5: dniasync rank 5 (standby): took the job over" in log, log
+    for r, role in enumerate(STANDBY_ROLES[1:5], start=1):
+        assert f"{r}: dniasync rank {r} ({role}): following the coordinator at {standby.group(1)}" in log, log
+    for r, role in enumerate(STANDBY_ROLES[1:], start=1):
+        assert f"{r}: dniasync rank {r} ({role}): job finished; stopping" in log, log
+    assert "5: job slurm_digits (downpour) finished: ran 14 s" in log, log
+    assert "Traceback" not in log, log
+    assert slurm.job_state(job_id) == "FAILED"  # srun returns the killed rank 0's status
+    doc = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert doc["stop_reason"] == "ran 14 s", doc["stop_reason"]
+    takeovers = [e for e in doc["events"] if e["kind"] == "coordinator_takeover"]
+    assert [e["epoch"] for e in takeovers] == [2], doc["events"]
+    kinds = [e["kind"] for e in doc["events"]]
+    assert "replica_failed" not in kinds and "ps_restarted" not in kinds, kinds  # the same processes went on
+    rows = [(row["wall_s"], row["samples"]) for row in doc["history"]]
+    assert rows == sorted(set(rows)), rows  # one history: in time order, no row twice
+    assert not _processes_with(str(config)), "ranks left running after the job ended"
+
+
 def test_scancel_stops_every_rank_cleanly(slurm: SlurmCluster, tmp_path: Path) -> None:
     config = _job(tmp_path, target=None, max_seconds=600, max_epochs=100000)
     # one output file per rank, written by slurmstepd: what a rank prints while srun is torn down is kept

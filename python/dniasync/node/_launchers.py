@@ -4,9 +4,11 @@ A node started by a cluster engine learns from the engine's environment its
 rank, the world size and where rank 0 is; from the job config it learns how
 many PS shards and workers the job needs (``get_mode(mode).processes``).
 Rank 0 is the coordinator, ranks ``1..n_ps`` the PS shards, the next
-``n_workers`` the workers, and the last ``--spares N`` spares: PS hosts that
-wait until a copy of a replicated PS shard dies and take its place
-(:mod:`dniasync.cluster.chains`). A world size that does not fit the job,
+``n_workers`` the workers, then, with ``[job] standby = true``, a standby
+coordinator (:mod:`dniasync.cluster.standby`: it follows the job and takes it
+over if rank 0 dies; the other ranks then follow it), and the last
+``--spares N`` spares: PS hosts that wait until a copy of a replicated PS
+shard dies and take its place (:mod:`dniasync.cluster.chains`). A world size that does not fit the job,
 spares for a job without replicated PS shards, or a missing or malformed
 variable, fail at start naming the variables, the flag or the key.
 
@@ -29,7 +31,9 @@ never from the command line.
 
 Under a launcher a node lives as long as its job (:func:`follow_job`): when
 the job ends every rank leaves and exits, so ``srun`` and ``sbatch --wait``
-return; SIGTERM (``scancel``) stops a rank cleanly at any time.
+return; SIGTERM (``scancel``) stops a rank cleanly at any time. A rank
+follows whichever coordinator runs the job now: after a takeover, the
+standby's (its membership learns it from the new runner).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from ..cluster.config import Config, load_config
 from ..cluster.modes import get_mode
 from ..cluster.protocol import COORDINATOR_NAME, JobStatus, JobStatusReply
 from ..remote import is_loopback, parse_hostport
-from ._membership import GetMembers, Members
+from ._membership import GetCoordinator, GetMembers, Members
 from ._roles import NodeContext
 
 __all__ = [
@@ -338,14 +342,16 @@ def _kubeflow_pet(env: Mapping[str, str]) -> LaunchEnv:
 
 # -- roles and addresses ------------------------------------------------------------------
 
-def role_of_rank(rank: int, n_ps: int, n_workers: int | None = None) -> str:
+def role_of_rank(rank: int, n_ps: int, n_workers: int | None = None, *, standby: bool = False) -> str:
     """Rank 0 coordinates, ranks ``1..n_ps`` hold the PS shards, the next ``n_workers`` (default: all the rest) are
-    workers, and the ranks after them spares."""
+    workers, then (``standby``) one standby coordinator, and the ranks after them spares."""
     if rank == 0:
         return "coordinator"
     if rank <= n_ps:
         return "ps"
-    return "worker" if n_workers is None or rank <= n_ps + n_workers else "spare"
+    if n_workers is None or rank <= n_ps + n_workers:
+        return "worker"
+    return "standby" if standby and rank == n_ps + n_workers + 1 else "spare"
 
 
 def spares_problem(config: Config, config_path: str = "") -> str | None:
@@ -391,7 +397,8 @@ def place(
     if problem is not None:
         raise LauncherError(f"--spares {spares}: a spare stands in for a dead copy of a replicated PS shard, and "
                             f"{problem}; or drop --spares")
-    needed = 1 + n_ps + n_workers + spares
+    standby = config.job.standby
+    needed = 1 + n_ps + n_workers + standby + spares
     if launch.world_size != needed:
         extra = launch.world_size - needed
         hint = (f" (or keep the {extra} extra rank(s) as spares: --spares {spares + extra})"
@@ -399,10 +406,11 @@ def place(
         raise LauncherError(
             f"--role auto: the launcher started {launch.world_size} rank(s) ({launch.sources}) but job "
             f"{config.job.name} ({config_path or config.mode}) needs {needed}: 1 coordinator, {n_ps} PS shard(s), "
-            f"{n_workers} {mode.worker_kind}(s)" + (f", {spares} spare(s) (--spares)" if spares else "")
+            f"{n_workers} {mode.worker_kind}(s)" + (", 1 standby coordinator (job.standby)" if standby else "")
+            + (f", {spares} spare(s) (--spares)" if spares else "")
             + f"; set {launch.size_hint} to {needed}{hint}"
         )
-    role = role_of_rank(launch.rank, n_ps, n_workers)
+    role = role_of_rank(launch.rank, n_ps, n_workers, standby=standby)
     coordinator = _hostport(launch.coordinator_host, launch.port)
     if role == "coordinator":
         if launch.one_host:
@@ -483,6 +491,8 @@ async def follow_job(context: NodeContext) -> int:
     placement: Placement = context.options["launch"]
     if context.role == "coordinator":
         return await _follow_as_coordinator(context, placement)
+    if context.role == "standby":
+        return await _follow_as_standby(context, placement)
     return await _follow_as_member(context, placement)
 
 
@@ -502,6 +512,10 @@ async def _follow_as_coordinator(context: NodeContext, placement: Placement) -> 
             return 1
         if status is not None and status.state in ("finished", "failed"):
             break
+        if status is not None and status.state == "fenced":  # it was frozen or cut off, and a standby took over
+            _say(placement, "fenced: the standby coordinator runs the job now; stopping")
+            stop.set()
+            return 0
         if status is not None and status.state != state:
             state = status.state
             _say(placement, f"job {state}")
@@ -529,13 +543,31 @@ async def _follow_as_coordinator(context: NodeContext, placement: Placement) -> 
     return 0 if status.state == "finished" else 1
 
 
+async def _coordinator_now(context: NodeContext) -> str:
+    """The node of the coordinator this rank's membership follows now (``--join``'s, or a standby's after a
+    takeover)."""
+    if context.membership is None:
+        return context.join or ""
+    try:
+        node: str = await context.membership.ask(GetCoordinator(), timeout=5.0)
+    except ActorError:
+        return context.join or ""
+    return node
+
+
 async def _follow_as_member(context: NodeContext, placement: Placement) -> int:
     stop = context.stop
-    trainer = context.system.ref(f"{COORDINATOR_NAME}@{context.join}")
+    following = context.join or ""
+    trainer = context.system.ref(f"{COORDINATOR_NAME}@{following}")
     started = time.monotonic()
     answered: float | None = None
     while not stop.is_set():
         now = time.monotonic()
+        node = await _coordinator_now(context)
+        if node != following:  # a standby took the job over: its runner is the one to ask
+            _say(placement, f"following the coordinator at {node} (it took the job over from {following})")
+            following, answered = node, now
+            trainer = context.system.ref(f"{COORDINATOR_NAME}@{following}")
         try:
             status: JobStatusReply = await trainer.ask(JobStatus(), timeout=5.0)
         except ActorNotFound:
@@ -547,7 +579,52 @@ async def _follow_as_member(context: NodeContext, placement: Placement) -> int:
                 stop.set()
                 return 1
             if answered is not None and now - answered > LOST_AFTER_S:
-                _say(placement, f"lost the coordinator at {context.join} ({exc}); stopping")
+                _say(placement, f"lost the coordinator at {following} ({exc}); stopping")
+                stop.set()
+                return 1
+        else:
+            answered = now
+            if status.state in ("finished", "failed"):
+                _say(placement, f"job {status.state}; stopping")
+                stop.set()
+                return 0
+        if await _stopped_within(stop, POLL_S):
+            break
+    _say(placement, "stopping on a signal")
+    return 0
+
+
+async def _follow_as_standby(context: NodeContext, placement: Placement) -> int:
+    """The standby rank: it watches the job as the other ranks do until its standby takes the job over (a job
+    runner of its own is then up on this node), and from then on ends as the coordinator rank does. It stops with
+    0 when the job ends under the coordinator it follows, and with 1 if that coordinator went silent
+    :data:`LOST_AFTER_S` and no takeover came (another standby claimed the epoch, or the job's output directory,
+    where the epoch file is, is not shared with this host)."""
+    stop = context.stop
+    trainer = context.system.ref(f"{COORDINATOR_NAME}@{context.join}")
+    started = time.monotonic()
+    answered: float | None = None
+    while not stop.is_set():
+        try:  # this node's own runner (looked up each time: there is none until a takeover)
+            await context.system.ref(COORDINATOR_NAME).ask(JobStatus(), timeout=5.0)
+        except ActorNotFound:
+            pass  # no takeover (yet)
+        except ActorError:
+            pass  # its runner is busy starting: asked again
+        else:
+            _say(placement, "took the job over")
+            return await _follow_as_coordinator(context, placement)
+        now = time.monotonic()
+        try:
+            status: JobStatusReply = await trainer.ask(JobStatus(), timeout=2.0)
+        except ActorNotFound:
+            answered = now
+        except ActorError as exc:
+            silent_since = started if answered is None else answered
+            limit = START_TIMEOUT_S if answered is None else LOST_AFTER_S
+            if now - silent_since > limit:
+                _say(placement, f"no answer from the coordinator at {context.join} for {now - silent_since:.0f} s "
+                                f"({exc}) and no takeover; stopping")
                 stop.set()
                 return 1
         else:

@@ -20,6 +20,7 @@ __all__ = [
     "COORDINATOR",
     "MEMBERSHIP",
     "Coordinator",
+    "GetCoordinator",
     "GetMembers",
     "Join",
     "Leave",
@@ -67,6 +68,13 @@ class Leave:
 @dataclass(frozen=True)
 class GetMembers:
     pass
+
+
+@message("dniasync.cluster.GetCoordinator")
+@dataclass(frozen=True)
+class GetCoordinator:
+    """Ask a node's membership: the node of the coordinator it follows now (``str``; a standby's after a
+    takeover)."""
 
 
 @message("dniasync.cluster.Members")
@@ -202,6 +210,10 @@ class Membership(Actor):
         elif member is not None:
             self.members[msg.node] = replace(member, alive=False)
         log.info("member down: %s (%s)", msg.node, msg.reason)
+
+    @handler
+    def get_coordinator(self, msg: GetCoordinator) -> str:
+        return self.coordinator
 
     @handler
     def get_members(self, msg: GetMembers) -> Members:
