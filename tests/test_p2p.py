@@ -476,7 +476,7 @@ class _Cluster:
 
 
 def test_a_killed_peer_is_named_and_the_others_finish(tmp_path: Path) -> None:
-    config, out = write_job(tmp_path, "kill", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=20)
+    config, out = write_job(tmp_path, "kill", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=14)
     cluster = _Cluster(tmp_path, config, out)
     try:
         for name in ("w0", "w1", "w2"):
@@ -488,7 +488,7 @@ def test_a_killed_peer_is_named_and_the_others_finish(tmp_path: Path) -> None:
         doc = cluster.finished()
     finally:
         cluster.stop()
-    assert doc["stop_reason"] == "ran 20 s"  # no hang: the time limit ended it
+    assert doc["stop_reason"] == "ran 14 s"  # no hang: the time limit ended it
     failed = [e for e in doc["events"] if e["kind"] == "replica_failed"]
     assert [e["replica"] for e in failed] == [victim]
     m = doc["metrics"]
@@ -502,7 +502,7 @@ def test_a_killed_peer_is_named_and_the_others_finish(tmp_path: Path) -> None:
 
 
 def test_a_late_peer_starts_from_a_neighbours_copy_and_reaches_the_others(tmp_path: Path) -> None:
-    config, out = write_job(tmp_path, "late", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=25)
+    config, out = write_job(tmp_path, "late", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=15)
     cluster = _Cluster(tmp_path, config, out)
     try:
         cluster.worker("w0")

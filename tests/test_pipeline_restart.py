@@ -35,7 +35,7 @@ def _coordinator_says(out: Path, text: str) -> bool:
 
 
 def test_a_killed_stage_is_restarted_and_its_pipeline_finishes_from_its_checkpoint(tmp_path: Path) -> None:
-    epochs = 100
+    epochs = 60
     config, out = write_job(tmp_path, "stagekill", epochs=epochs, seconds=900)
     config.write_text(config.read_text() + "\n[checkpoint]\nevery_seconds = 1.0\n")
     launcher = subprocess.Popen(
@@ -115,7 +115,7 @@ def test_a_stage_that_keeps_dying_fails_the_job_naming_its_process(tmp_path: Pat
 
 
 def test_a_pipeline_job_whose_coordinator_was_killed_resumes_with_its_stages_states(tmp_path: Path) -> None:
-    epochs = 100
+    epochs = 60
     config, out = write_job(tmp_path, "piperesume", epochs=epochs, seconds=900)
     config.write_text(config.read_text() + "\n[checkpoint]\nevery_seconds = 1.0\n")
     launcher = subprocess.Popen(
@@ -160,7 +160,7 @@ def test_a_pipeline_job_whose_coordinator_was_killed_resumes_with_its_stages_sta
 def test_a_stage_frozen_for_10_s_does_not_end_the_run(tmp_path: Path) -> None:
     """A frozen stage process either comes back in time, or is declared dead, ended and restarted (its
     pipeline rolled back): either way the run trains its whole budget."""
-    epochs = 100
+    epochs = 60
     config, out = write_job(tmp_path, "stagefreeze", epochs=epochs, seconds=900)
     config.write_text(config.read_text() + "\n[checkpoint]\nevery_seconds = 1.0\n")
     launcher = subprocess.Popen(
@@ -195,7 +195,7 @@ def test_a_stage_frozen_for_10_s_does_not_end_the_run(tmp_path: Path) -> None:
 
 def test_a_killed_replicated_stage_is_restarted_and_pulls_from_its_ps_shard(tmp_path: Path) -> None:
     """DNI x Downpour (2 pipelines, a PS shard per stage): the pipeline of the killed stage rolls back and goes on."""
-    epochs = 100
+    epochs = 60
     config, out = write_job(tmp_path, "replicated", epochs=epochs, seconds=900, extra="replicas = 2\n")
     config.write_text(config.read_text() + "\n[checkpoint]\nevery_seconds = 1.0\n")
     launcher = subprocess.Popen(
