@@ -332,6 +332,27 @@ def test_downpour_example_under_sbatch_reaches_its_target_and_leaves_nothing(
     assert not _processes_with(str(config)), "ranks left running after the job ended"
 
 
+def _submit_until_trained(slurm: SlurmCluster, tmp_path: Path, script: str, config: Path) -> tuple[str, Path, str]:
+    """Submit the batch ``script`` for ``config``; once rank 0 has evaluated trained weights: the job id, its
+    output file and the output so far (an error if the job ended before)."""
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    proc = slurm.run("sbatch", "--parsable", f"--chdir={tmp_path}", f"--output={tmp_path}/slurm-%j.out",
+                     str(path), str(config))
+    job_id = proc.stdout.strip().split(";")[0]
+    assert job_id.isdigit(), f"sbatch did not submit: {proc.stdout}{proc.stderr}"
+    output = tmp_path / f"slurm-{job_id}.out"
+
+    def trained() -> str:
+        if slurm.job_state(job_id) not in ("PENDING", "RUNNING"):
+            raise AssertionError(f"job {job_id} ended early:\n" + (output.read_text() if output.exists() else ""))
+        text = output.read_text() if output.exists() else ""
+        evals = [line for line in text.splitlines() if line.startswith("0: ") and " eval: " in line]
+        return text if any(" 0 samples" not in line for line in evals) else ""
+
+    return job_id, output, _wait_for(trained, 300, "the job to train", every=0.2)
+
+
 SPARES_SCRIPT = """\
 #!/bin/bash
 #SBATCH --ntasks=6
@@ -351,22 +372,7 @@ def test_a_spare_takes_the_place_of_a_killed_ps_copy_and_nothing_acknowledged_is
     the replicas saw acknowledged on both copies."""
     config = _job(tmp_path, target=None, max_seconds=14, max_epochs=100_000)
     config.write_text(config.read_text().replace("n_ps_shards = 2", "n_ps_shards = 1\nps_replicas = 2"))
-    script = tmp_path / "spares.sbatch"
-    script.write_text(SPARES_SCRIPT)
-    proc = slurm.run("sbatch", "--parsable", f"--chdir={tmp_path}", f"--output={tmp_path}/slurm-%j.out",
-                     str(script), str(config))
-    job_id = proc.stdout.strip().split(";")[0]
-    assert job_id.isdigit(), f"sbatch did not submit: {proc.stdout}{proc.stderr}"
-    output = tmp_path / f"slurm-{job_id}.out"
-
-    def trained() -> str:
-        if slurm.job_state(job_id) not in ("PENDING", "RUNNING"):
-            raise AssertionError(f"job {job_id} ended early:\n" + (output.read_text() if output.exists() else ""))
-        text = output.read_text() if output.exists() else ""
-        evals = [line for line in text.splitlines() if line.startswith("0: ") and " eval: " in line]
-        return text if any(" 0 samples" not in line for line in evals) else ""
-
-    log = _wait_for(trained, 300, "the job to train", every=0.2)
+    job_id, output, log = _submit_until_trained(slurm, tmp_path, SPARES_SCRIPT, config)
     nodes = dict((int(rank), address) for rank, address in
                  re.findall(r"^(\d+): dniasync node (?:ps|spare) listening on (\S+)$", log, re.M))
     head = next(address for address, where in copies_placed(log).items() if where == (0, 0))
@@ -418,22 +424,7 @@ def test_a_standby_rank_takes_the_job_over_when_rank_0_is_killed_and_every_rank_
     (epoch 2) with the same processes, the other ranks follow it, and it ends the job with one summary."""
     config = _job(tmp_path, target=None, max_seconds=14, max_epochs=100_000)
     config.write_text(config.read_text().replace('output_dir =', 'standby = true\noutput_dir ='))
-    script = tmp_path / "standby.sbatch"
-    script.write_text(STANDBY_SCRIPT)
-    proc = slurm.run("sbatch", "--parsable", f"--chdir={tmp_path}", f"--output={tmp_path}/slurm-%j.out",
-                     str(script), str(config))
-    job_id = proc.stdout.strip().split(";")[0]
-    assert job_id.isdigit(), f"sbatch did not submit: {proc.stdout}{proc.stderr}"
-    output = tmp_path / f"slurm-{job_id}.out"
-
-    def trained() -> str:
-        if slurm.job_state(job_id) not in ("PENDING", "RUNNING"):
-            raise AssertionError(f"job {job_id} ended early:\n" + (output.read_text() if output.exists() else ""))
-        text = output.read_text() if output.exists() else ""
-        evals = [line for line in text.splitlines() if line.startswith("0: ") and " eval: " in line]
-        return text if any(" 0 samples" not in line for line in evals) else ""
-
-    log = _wait_for(trained, 300, "the job to train", every=0.2)
+    job_id, output, log = _submit_until_trained(slurm, tmp_path, STANDBY_SCRIPT, config)
     standby = re.search(r"^5: dniasync node standby listening on (\S+)$", log, re.M)
     assert standby is not None, log
     os.kill(_rank_process(job_id, 0), signal.SIGKILL)

@@ -491,9 +491,7 @@ async def follow_job(context: NodeContext) -> int:
     placement: Placement = context.options["launch"]
     if context.role == "coordinator":
         return await _follow_as_coordinator(context, placement)
-    if context.role == "standby":
-        return await _follow_as_standby(context, placement)
-    return await _follow_as_member(context, placement)
+    return await _follow_as_member(context, placement, standby=context.role == "standby")
 
 
 async def _follow_as_coordinator(context: NodeContext, placement: Placement) -> int:
@@ -555,15 +553,32 @@ async def _coordinator_now(context: NodeContext) -> str:
     return node
 
 
-async def _follow_as_member(context: NodeContext, placement: Placement) -> int:
+async def _took_over(context: NodeContext) -> bool:
+    """A job runner of this node's own is up: its standby took the job over."""
+    try:  # looked up each time: there is none until a takeover
+        await context.system.ref(COORDINATOR_NAME).ask(JobStatus(), timeout=5.0)
+    except ActorError:  # none (ActorNotFound), or busy starting: asked again next round
+        return False
+    return True
+
+
+async def _follow_as_member(context: NodeContext, placement: Placement, *, standby: bool = False) -> int:
+    """A PS, worker or spare rank: it asks the coordinator how the job goes until it ended. With ``standby`` (the
+    standby rank) it follows rank 0 until its standby takes the job over (a runner of its own is then up on this
+    node), and from then on ends as the coordinator rank does; if rank 0 goes silent and no takeover comes
+    (another standby claimed the epoch, or the job's output directory, where the epoch file is, is not shared with
+    this host), it stops as any rank does."""
     stop = context.stop
     following = context.join or ""
     trainer = context.system.ref(f"{COORDINATOR_NAME}@{following}")
     started = time.monotonic()
     answered: float | None = None
     while not stop.is_set():
+        if standby and await _took_over(context):
+            _say(placement, "took the job over")
+            return await _follow_as_coordinator(context, placement)
         now = time.monotonic()
-        node = await _coordinator_now(context)
+        node = following if standby else await _coordinator_now(context)  # a standby joins no membership
         if node != following:  # a standby took the job over: its runner is the one to ask
             _say(placement, f"following the coordinator at {node} (it took the job over from {following})")
             following, answered = node, now
@@ -580,51 +595,6 @@ async def _follow_as_member(context: NodeContext, placement: Placement) -> int:
                 return 1
             if answered is not None and now - answered > LOST_AFTER_S:
                 _say(placement, f"lost the coordinator at {following} ({exc}); stopping")
-                stop.set()
-                return 1
-        else:
-            answered = now
-            if status.state in ("finished", "failed"):
-                _say(placement, f"job {status.state}; stopping")
-                stop.set()
-                return 0
-        if await _stopped_within(stop, POLL_S):
-            break
-    _say(placement, "stopping on a signal")
-    return 0
-
-
-async def _follow_as_standby(context: NodeContext, placement: Placement) -> int:
-    """The standby rank: it watches the job as the other ranks do until its standby takes the job over (a job
-    runner of its own is then up on this node), and from then on ends as the coordinator rank does. It stops with
-    0 when the job ends under the coordinator it follows, and with 1 if that coordinator went silent
-    :data:`LOST_AFTER_S` and no takeover came (another standby claimed the epoch, or the job's output directory,
-    where the epoch file is, is not shared with this host)."""
-    stop = context.stop
-    trainer = context.system.ref(f"{COORDINATOR_NAME}@{context.join}")
-    started = time.monotonic()
-    answered: float | None = None
-    while not stop.is_set():
-        try:  # this node's own runner (looked up each time: there is none until a takeover)
-            await context.system.ref(COORDINATOR_NAME).ask(JobStatus(), timeout=5.0)
-        except ActorNotFound:
-            pass  # no takeover (yet)
-        except ActorError:
-            pass  # its runner is busy starting: asked again
-        else:
-            _say(placement, "took the job over")
-            return await _follow_as_coordinator(context, placement)
-        now = time.monotonic()
-        try:
-            status: JobStatusReply = await trainer.ask(JobStatus(), timeout=2.0)
-        except ActorNotFound:
-            answered = now
-        except ActorError as exc:
-            silent_since = started if answered is None else answered
-            limit = START_TIMEOUT_S if answered is None else LOST_AFTER_S
-            if now - silent_since > limit:
-                _say(placement, f"no answer from the coordinator at {context.join} for {now - silent_since:.0f} s "
-                                f"({exc}) and no takeover; stopping")
                 stop.set()
                 return 1
         else:
