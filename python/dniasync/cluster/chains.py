@@ -35,7 +35,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EVENT_PS_CHAIN", "EVENT_PS_COPY_DOWN", "EVENT_PS_COPY_JOINED", "EVENT_PS_COPY_REPLACED", "SPARE_HOST",
-    "SPARE_POLL_S", "SPARE_UP_S", "ChainKeeper", "copies_placed", "host_copy", "record_chains",
+    "SPARE_POLL_S", "SPARE_UP_S", "ChainKeeper", "copies_placed", "copy_stats", "host_copy", "record_chains",
 ]
 
 log = logging.getLogger("dniasync.cluster.chains")
@@ -362,6 +362,27 @@ class ChainKeeper(ShardKeeper):
         return out
 
 
+async def copy_stats(report: RunReport, k: int, row: Sequence[ActorRef | None], keys: Sequence[str],
+                     flag: tuple[str, set[str]]) -> AsyncIterator[tuple[ActorRef, dict[str, Any]]]:
+    """Each copy of shard ``k`` (``row``, by copy number) that answers :class:`ShardStats`, with its stats. Into the
+    summary, per copy: ``ps<k>_copy<j>_<name>`` (``flag``: a name and the addresses it is 1 for, e.g. the copies in
+    the chain), its ``keys`` as integers, or ``..._stats_error`` if it did not answer."""
+    name, addresses = flag
+    for j, ref in enumerate(row):
+        if ref is None:
+            continue
+        prefix = f"ps{k}_copy{j}"
+        report.set_metric(f"{prefix}_{name}", int(ref.address in addresses))
+        try:
+            stats: dict[str, Any] = await ref.ask(ShardStats(), timeout=5.0)
+        except ActorError as exc:
+            report.set_metric(f"{prefix}_stats_error", repr(exc))
+            continue
+        for key in keys:
+            report.set_metric(f"{prefix}_{key}", int(stats[key]))
+        yield ref, stats
+
+
 async def record_chains(report: RunReport, keeper: ChainKeeper, acknowledged: Mapping[str, int],
                         shards_of: Mapping[str, Sequence[int]] | None = None) -> None:
     """The summary's figures of replicated shards: each copy's counters (``ps<k>_copy<j>_*``), the chains'
@@ -380,18 +401,8 @@ async def record_chains(report: RunReport, keeper: ChainKeeper, acknowledged: Ma
         view = keeper.views[k]
         chain = {ref.address for ref in view.chain} if view is not None else set()
         holders = 0
-        for j, ref in enumerate(row):
-            if ref is None:
-                continue
-            prefix = f"ps{k}_copy{j}"
-            report.set_metric(f"{prefix}_in_chain", int(ref.address in chain))
-            try:
-                stats: dict[str, Any] = await ref.ask(ShardStats(), timeout=5.0)
-            except ActorError as exc:
-                report.set_metric(f"{prefix}_stats_error", repr(exc))
-                continue
-            for key in ("applied", "version", "forwarded", "acknowledged", "divergent", "transfers"):
-                report.set_metric(f"{prefix}_{key}", int(stats[key]))
+        keys = ("applied", "version", "forwarded", "acknowledged", "divergent", "transfers")
+        async for ref, stats in copy_stats(report, k, row, keys, ("in_chain", chain)):
             if kept is not None and ref.address in chain and not stats["catching_up"]:
                 holders += 1
                 applied_by = stats["applied_by"]

@@ -27,11 +27,10 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ...actors import ActorError, ActorRef
+from ...actors import ActorRef
 from ...train.chain import CopySpec
-from ...train.messages import ShardStats
 from ...train.sandblaster import SandblasterShardSpec
-from ..chains import EVENT_PS_COPY_DOWN, EVENT_PS_COPY_JOINED, ChainKeeper
+from ..chains import EVENT_PS_COPY_DOWN, EVENT_PS_COPY_JOINED, ChainKeeper, copy_stats
 from ..protocol import Assignment, JoinJob, NoJob
 from .sandblaster import _SandblasterJob
 
@@ -112,19 +111,10 @@ class ReplicatedSandblasterJob(_SandblasterJob):
         for k, row in enumerate(self.keeper.copies):
             commanded = {ref.address for ref in b.commanded[k]} if k < len(b.commanded) else set()
             digests = set()
-            for j, ref in enumerate(row):
-                if ref is None:
-                    continue
-                prefix = f"ps{k}_copy{j}"
-                report.set_metric(f"{prefix}_commanded", int(ref.address in commanded))
-                try:
-                    stats: dict[str, Any] = await ref.ask(ShardStats(), timeout=5.0)
-                except ActorError as exc:
-                    report.set_metric(f"{prefix}_stats_error", repr(exc))
-                    continue
-                for key in ("stages", "commands", "transfers"):
-                    report.set_metric(f"{prefix}_{key}", int(stats[key]))
-                report.set_metric(f"{prefix}_x_sha256", str(stats["x_sha256"]))
+            number = {ref.address: j for j, ref in enumerate(row) if ref is not None}
+            async for ref, stats in copy_stats(report, k, row, ("stages", "commands", "transfers"),
+                                               ("commanded", commanded)):
+                report.set_metric(f"ps{k}_copy{number[ref.address]}_x_sha256", str(stats["x_sha256"]))
                 if ref.address in commanded:
                     digests.add(stats["x_sha256"])
             identical = identical and len(digests) == 1
