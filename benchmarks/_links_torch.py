@@ -101,7 +101,7 @@ class DDP(Comm):
             state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
                                            start_powerSGD_iter=POWERSGD_START)
             self.net.register_comm_hook(state, powersgd.powerSGD_hook)
-        self.opt = torch.optim.Adagrad(self.net.parameters(), lr=ADAGRAD_LR)
+        self.opt = torch.optim.Adagrad(self.net.parameters(), lr=getattr(self.args, "lr", None) or ADAGRAD_LR)
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -58,6 +58,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--master", required=True, help="rank 0's host:port (the process group's store)")
     p.add_argument("--epochs", type=int, required=True)
     p.add_argument("--snapshot-every", type=int, required=True, help="samples, all ranks together")
+    p.add_argument("--lr", type=float, default=None, help="Adagrad's lr (default: bench_links' ADAGRAD_LR)")
     return p.parse_args(argv)
 
 

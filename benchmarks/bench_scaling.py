@@ -57,7 +57,6 @@ import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 import tomllib  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -77,7 +76,23 @@ NODES = [1, 2, 4, 8]
 LINKS = {"1gbit": "1gbit:0.2ms", "100mbit": "100mbit:5ms"}
 MODES = ["downpour_codec", "p2p", "dni_downpour", "spectrain"]
 REFERENCES = ["ddp", "ddp_powersgd"]
-EPOCHS = {"mlp": 10, "cnn": 5}
+EPOCHS = {"mlp": 5, "cnn": 3}
+"""The asynchronous modes' sample budget (20,000 and 12,000 samples): Downpour with the threshold codec reached
+90% on the MLP after about 7,500 samples on one node, and needs more with more nodes (staleness)."""
+DDP_EPOCHS = {"mlp": 2, "cnn": 2}
+"""Synchronous DDP reaches 92% within 7,200 samples at any rank count (bench_links): two epochs cover 90%
+and keep its 100 Mbit/s runs, 23 MB of gradients per step, within minutes."""
+ADAGRAD_LR = {"mlp": 0.01}
+"""The Adagrad systems' lr on a model (Downpour, p2p, DDP, PowerSGD; their examples' 0.05 and 0.03 elsewhere):
+on this MLP 0.05 made Downpour diverge at 4 replicas (loss 51 at 2,100 samples) and slowed all-core torch
+2x in bench_train, whose compute-bound rows run every system at 0.01."""
+PS_SHARDS_PER_NODES = 2
+"""Downpour's PS shards: one per this many replicas (at least 2), so the PS grows with the job, as in DistBelief;
+at 4 replicas two shards on 0.29 of a core each could not answer the coordinator's weight snapshots in 10 s."""
+NODES_FOR = {"cnn:100mbit": [1, 8]}
+"""The CNN's gradients are 0.8 MB (the MLP's 23 MB): on the slow link only its end points, for the 8-node ratios."""
+WORK = ROOT / "runs" / "bench_scaling"
+"""Each run's directory; its ``result.json`` is taken again by ``--reuse`` when what it depends on is equal."""
 SNAPSHOT_EVERY = 256
 TOLERANCE = 0.25
 """Emulated vs real at 1 and 2 nodes: samples/s and time to target within 25% of each other."""
@@ -93,6 +108,8 @@ EXAMPLE = {"downpour_codec": "downpour_mnist_threshold.toml", "p2p": "p2p_mnist.
            "dni_downpour": "dni_downpour_mnist.toml", "spectrain": "cnn_mnist_spectrain.toml"}
 ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="eth0")
 TORCH_PORT = 29500
+ONE_CORE = ["taskset", "-c", "0"]
+"""The dilation's own check: a run pinned to one core is emulated at twice the dilation."""
 
 
 class RunFailed(Exception):
@@ -116,8 +133,11 @@ def job(system: str, model: str, nodes: int, out: Path, epochs: int) -> dict[str
     doc["stop"] = {"max_epochs": epochs, "max_seconds": 1e6}  # the sample budget decides; time limits run dilated
     doc["eval"] = {"every_steps": max(1, SNAPSHOT_EVERY // doc["data"]["batch_size"]), "deferred": True}
     doc["checkpoint"] = {"every_seconds": 1e6}
+    if model in ADAGRAD_LR and doc["optimizer"]["name"] == "adagrad":
+        doc["optimizer"]["lr"] = ADAGRAD_LR[model]
     if system == "downpour_codec":
         doc["downpour"]["n_replicas"] = nodes
+        doc["downpour"]["n_ps_shards"] = max(2, nodes // PS_SHARDS_PER_NODES)
     elif system == "p2p":
         doc["p2p"]["n_peers"] = nodes
         doc.setdefault("sync", {})["local_steps"] = 1
@@ -136,14 +156,15 @@ def job(system: str, model: str, nodes: int, out: Path, epochs: int) -> dict[str
     return doc
 
 
-def run_dniasync(system: str, model: str, nodes: int, link: str | None, work: Path, epochs: int) -> dict[str, Any]:
-    """One launcher run; ``link`` None: for real (loopback, no quotas)."""
-    run = work / f"{system}_{model}_{link or 'real'}_{nodes}"
+def run_dniasync(system: str, model: str, nodes: int, link: str | None, run: Path, epochs: int,
+                 one_core: bool) -> dict[str, Any]:
+    """One launcher run; ``link`` None: for real (loopback, no quotas); ``one_core``: the launcher and
+    its processes pinned to core 0 (``taskset``), so the emulation dilates twice as much."""
     shutil.rmtree(run, ignore_errors=True)
     run.mkdir(parents=True)
     cfg = run / "job.toml"
     cfg.write_text(to_toml(job(system, model, nodes, run / "out", epochs)) + "\n")
-    argv = [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(cfg)]
+    argv = [*ONE_CORE * one_core, sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(cfg)]
     if link is not None:
         argv += ["--emulate", f"{nodes}:{LINKS[link]}"]
     with (run / "launcher.log").open("wb") as log:
@@ -162,24 +183,27 @@ def run_dniasync(system: str, model: str, nodes: int, link: str | None, work: Pa
 # --------------------------------------------------------------------------- torch DDP over the same links
 
 
-def run_ddp(system: str, model: str, nodes: int, link: str | None, work: Path, epochs: int) -> dict[str, Any]:
-    run = work / f"{system}_{model}_{link or 'real'}_{nodes}"
+def run_ddp(system: str, model: str, nodes: int, link: str | None, run: Path, epochs: int,
+            one_core: bool) -> dict[str, Any]:
     shutil.rmtree(run, ignore_errors=True)
     run.mkdir(parents=True)
-    dilation = max(1.0, nodes / cores()) if link is not None else 1.0
+    c = 1 if one_core else cores()
+    dilation = max(1.0, nodes / c) if link is not None else 1.0
     emulation: Emulation | None = None
     if link is not None:
         spec = parse_spec(f"{nodes}:{LINKS[link]}")
         emulation = Emulation([f"r{i}" for i in range(nodes)],
-                              Link(spec.bandwidth_bps / dilation, spec.latency_s * dilation), min(1.0, cores() / nodes))
+                              Link(spec.bandwidth_bps / dilation, spec.latency_s * dilation), min(1.0, c / nodes))
         emulation.start()
     try:
         master = f"{emulation.address('r0') if emulation else '127.0.0.1'}:{TORCH_PORT}"
         procs = []
         for rank in range(nodes):
-            argv = [sys.executable, str(HERE / "_scaling_torch.py"), "--model", model, "--system", system,
+            argv = [*ONE_CORE * one_core, sys.executable, str(HERE / "_scaling_torch.py"), "--model", model, "--system", system,
                     "--rank", str(rank), "--world", str(nodes), "--dir", str(run), "--master", master,
                     "--epochs", str(epochs), "--snapshot-every", str(SNAPSHOT_EVERY)]
+            if model in ADAGRAD_LR:
+                argv += ["--lr", str(ADAGRAD_LR[model])]
             with (run / f"rank-{rank}.log").open("wb") as log:
                 env = ENV if emulation else {k: v for k, v in ENV.items() if k != "GLOO_SOCKET_IFNAME"}
                 if emulation is not None:
@@ -217,24 +241,71 @@ def run_ddp(system: str, model: str, nodes: int, link: str | None, work: Path, e
     return figures(history, samples, max(r["end_s"] for r in reports) / dilation, dilation=dilation, processes=nodes)
 
 
+def why(metrics: dict[str, Any]) -> dict[str, float]:
+    """The counters that say where a curve bends, from a dniasync summary's ``metrics``: the mean staleness of
+    the PS shards' applied pushes, the pipeline stages' busy time per batch and version gap, p2p's bytes per
+    step and consensus distance, the bytes each sample pushed."""
+    out: dict[str, float] = {}
+    applied = sum(v for k, v in metrics.items() if k.startswith("ps") and k.endswith("_applied"))
+    if applied:
+        stale = sum(v for k, v in metrics.items() if k.startswith("ps") and k.endswith("_staleness_sum"))
+        out["staleness_mean"] = stale / applied
+        out["ps_applied"] = applied
+    busy = [v for k, v in metrics.items() if k.endswith("_busy_ms_per_batch")]
+    if busy:
+        out["stage_busy_ms_per_batch_max"] = max(busy)
+        out["stage_busy_ms_per_batch_min"] = min(busy)
+    gaps = [v for k, v in metrics.items() if k.endswith("_version_gap_mean")]
+    if gaps:
+        out["version_gap_mean_max"] = max(gaps)
+    for key in ("bytes_sent_per_step", "consensus_distance_max", "train_samples_per_s"):
+        if isinstance(metrics.get(key), (int, float)):
+            out[key] = float(metrics[key])
+    return out
+
+
+WHY_COLUMNS = (("staleness_mean", ".2f"), ("stage_busy_ms_per_batch_max", ".1f"), ("version_gap_mean_max", ".2f"),
+               ("bytes_sent_per_step", ",.0f"), ("consensus_distance_max", ".3g"))
+
+
 def figures(history: list[dict[str, Any]], samples: int, wall_s: float, *, dilation: float,
             processes: int | None, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
     ttt, samples_to = time_to(history, TARGET)
     return {
         "samples_per_s": steady_rate(history), "time_to_target_s": ttt, "samples_to_target": samples_to,
         "final_accuracy": history[-1]["accuracy"] if history else None, "samples": samples, "wall_s": wall_s,
-        "dilation": dilation, "processes": processes, "metrics": metrics or {},
+        "dilation": dilation, "processes": processes, "metrics": metrics or {}, "why": why(metrics or {}),
     }
 
 
-def run_one(system: str, model: str, nodes: int, link: str | None, work: Path, epochs: int) -> dict[str, Any]:
+def run_one(system: str, model: str, nodes: int, link: str | None, work: Path, quick: bool,
+            reuse: bool = False, *, epochs: int | None = None, one_core: bool = False) -> dict[str, Any]:
+    """One run (or its saved result, with ``reuse``), its figures printed; a failure is a result with its error."""
     runner = run_ddp if system in REFERENCES else run_dniasync
+    if epochs is None:
+        epochs = 1 if quick else (DDP_EPOCHS if system in REFERENCES else EPOCHS)[model]
+    depends = {"system": system, "model": model, "nodes": nodes, "link": LINKS.get(link or "", "real"),
+               "epochs": epochs, "target": TARGET, "snapshot_every": SNAPSHOT_EVERY,
+               "lr": ADAGRAD_LR.get(model), "ps_shards_per_nodes": PS_SHARDS_PER_NODES,
+               "cores": 1 if one_core else cores()}
+    run = work / f"{system}_{model}_{link or 'real'}_{nodes}{'_one_core' * one_core}_e{epochs}"
+    saved = run / "result.json"
+    if reuse and saved.exists():
+        kept = json.loads(saved.read_text())
+        if kept.get("depends") == depends and "error" not in kept:
+            _common.say(f"  {model} {link or 'real':8s} {system:15s} {nodes} node(s): reused {saved}")
+            result = dict(kept["result"])
+            if "error" not in result:
+                result["why"] = why(result.get("metrics", {}))
+            return result
     start = time.monotonic()
     try:
-        result = runner(system, model, nodes, link, work, epochs)
+        result = runner(system, model, nodes, link, run, epochs, one_core)
     except (RunFailed, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as exc:
         result = {"error": str(exc)[-2000:]}
     result["run_s"] = time.monotonic() - start
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps({"depends": depends, "result": result}) + "\n")
     fig = result.get("samples_per_s")
     _common.say(f"  {model} {link or 'real':8s} {system:15s} {nodes} node(s): "
                 + (f"{fig:8,.0f} samples/s, to {TARGET:.0%}: {fmt(result.get('time_to_target_s'), '.1f')} s "
@@ -366,6 +437,11 @@ def main() -> None:
     p.add_argument("--links", default=",".join(LINKS))
     p.add_argument("--nodes", default=",".join(map(str, NODES)))
     p.add_argument("--systems", default=",".join(MODES + REFERENCES))
+    p.add_argument("--nodes-for", action="append", default=[], metavar="MODEL:LINK=N,N",
+                   help="other node counts for one model and link (repeatable); default: "
+                        + " ".join(f"{k}={','.join(map(str, v))}" for k, v in NODES_FOR.items()))
+    p.add_argument("--reuse", action="store_true",
+                   help="take a run's saved result (runs/bench_scaling/*/result.json) when what it depends on is equal")
     args = p.parse_args()
     why = missing()
     if why is not None:
@@ -375,10 +451,25 @@ def main() -> None:
     else:
         models, links = args.models.split(","), args.links.split(",")
         nodes, systems = [int(n) for n in args.nodes.split(",")], args.systems.split(",")
-    work = Path(tempfile.mkdtemp(prefix="bench_scaling-"))
+    work = WORK.with_name("bench_scaling_quick") if args.quick else WORK
+    work.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"target": TARGET, "cores": cores(), "tolerance": TOLERANCE, "runs": {},
-                               "validation": {}, "links": {}, "work_dir": str(work)}
-    _common.say(f"bench_scaling: {cores()} cores; runs in {work}")
+                               "validation": {}, "links": {}, "work_dir": str(work),
+                               "epochs": {"dniasync": EPOCHS, "ddp": DDP_EPOCHS}}
+    nodes_for = dict(NODES_FOR)
+    for item in args.nodes_for:
+        key, _, counts = item.partition("=")
+        nodes_for[key] = [int(n) for n in counts.split(",")]
+    plan = [(m, link, system, n) for m in models for link in links for system in systems
+            for n in (nodes if args.quick else nodes_for.get(f"{m}:{link}", nodes))]
+    _common.say(f"bench_scaling: {cores()} cores; {len(plan)} runs in {work}")
+    started = time.monotonic()
+
+    def save() -> None:
+        """The results so far: an interrupted run leaves what finished (``partial``)."""
+        ratios_, missing_now = ratios_of(results)
+        _common.write("bench_scaling", args.quick, {**results, "partial": True, "ratios_missing": missing_now,
+                                                    "bench_wall_s": time.monotonic() - started}, ratios_)
 
     _common.say("link microbenchmark (two emulated hosts, 1 core each)")
     size = 2_000_000 if args.quick else 8_000_000
@@ -390,29 +481,41 @@ def main() -> None:
             _common.say(f"  {link} at d {d:g}: {m['measured_bps'] / 1e6:.1f} of {m['rate_bps'] / 1e6:.1f} Mbit/s, "
                         f"rtt {1e3 * m['rtt_s']:.2f} ms for {1e3 * m['rtt_expected_s']:.2f} ms")
 
-    for model in models:
-        epochs = 1 if args.quick else EPOCHS[model]
-        for link in links:
-            curves = results["runs"].setdefault(model, {}).setdefault(link, {})
-            for system in systems:
-                for n in nodes:
-                    curves.setdefault(system, {})[str(n)] = run_one(system, model, n, link, work, epochs)
-            derive(curves)
-
-    _common.say("validation: emulated at 1gbit vs real runs (loopback, unconfined), MLP")
-    for system in ["downpour_codec", "ddp"]:
-        for n in ([1] if args.quick else [1, 2]):
+    def validate() -> None:
+        _common.say("validation: emulated at 1gbit vs real runs (loopback, unconfined), and vs the same emulation "
+                    "on one core (twice the dilation), MLP")
+        checks: list[tuple[str, int, bool]] = [(system, n, False) for system in ["downpour_codec", "ddp"]
+                                               for n in ([1] if args.quick else [1, 2])]
+        if not args.quick:
+            checks += [("downpour_codec", 1, True), ("ddp", 2, True)]
+        for system, n, one_core in checks:
             emulated = results["runs"].get("mlp", {}).get("1gbit", {}).get(system, {}).get(str(n))
             if emulated is None:
-                emulated = run_one(system, "mlp", n, "1gbit", work, 1 if args.quick else EPOCHS["mlp"])
-            real = run_one(system, "mlp", n, None, work, 1 if args.quick else EPOCHS["mlp"])
-            row: dict[str, Any] = {"emulated": emulated, "real": real}
-            for key in ("samples_per_s", "time_to_target_s"):
-                e, r = emulated.get(key), real.get(key)
+                emulated = run_one(system, "mlp", n, "1gbit", work, args.quick, args.reuse)
+            if one_core:  # samples/s is what is compared: two epochs keep the doubly dilated run short
+                other = run_one(system, "mlp", n, "1gbit", work, args.quick, args.reuse, epochs=2, one_core=True)
+            else:
+                other = run_one(system, "mlp", n, None, work, args.quick, args.reuse)
+            row: dict[str, Any] = {"emulated": emulated, "one_core" if one_core else "real": other}
+            for key in ("samples_per_s",) if one_core else ("samples_per_s", "time_to_target_s"):
+                e, r = emulated.get(key), other.get(key)
                 row[f"{key}_ratio"] = e / r if e and r else None
             row["within_tolerance"] = all(abs(v - 1) <= TOLERANCE for k, v in row.items()
                                           if k.endswith("_ratio") and v is not None)
-            results["validation"][f"{system}_{n}"] = row
+            results["validation"][f"{system}_{n}{'_one_core' * one_core}"] = row
+            save()
+
+    for k, (model, link, system, n) in enumerate(plan):
+        _common.say(f"[{k + 1}/{len(plan)}, {(time.monotonic() - started) / 60:.0f} min]")
+        curves = results["runs"].setdefault(model, {}).setdefault(link, {})
+        curves.setdefault(system, {})[str(n)] = run_one(system, model, n, link, work, args.quick, args.reuse)
+        derive(curves)
+        save()
+        if model == "mlp" and (k + 1 == len(plan) or plan[k + 1][0] != "mlp"):
+            validate()  # once the MLP's runs are done: they are its emulated side
+    if "mlp" not in models:
+        validate()
+    results["bench_wall_s"] = time.monotonic() - started
 
     ratios, missing_ = ratios_of(results)
     results["ratios_missing"] = missing_
@@ -427,6 +530,12 @@ def main() -> None:
                                  fmt(r.get("dilation"), ".3g")))
     _common.say(_common.table(rows, ("model", "link", "system", "nodes", "samples/s", f"to {TARGET:.0%} s",
                                      "speed-up", "efficiency", "thr. speed-up", "d")))
+    bends = [(model, link, system, n, *(fmt(r.get("why", {}).get(k), f) for k, f in WHY_COLUMNS))
+             for model, by_link in results["runs"].items() for link, systems_ in by_link.items()
+             for system, by_n in systems_.items() for n, r in by_n.items() if r.get("why")]
+    if bends:
+        _common.say("where the curves bend (the runs' own counters):")
+        _common.say(_common.table(bends, ("model", "link", "system", "nodes", *(k for k, _ in WHY_COLUMNS))))
     for name, row in results["validation"].items():
         _common.say(f"validation {name}: samples/s emulated/real {fmt(row['samples_per_s_ratio'], '.2f')}, "
                     f"time to target {fmt(row['time_to_target_s_ratio'], '.2f')} "
