@@ -230,6 +230,8 @@ def test_an_emulated_job_runs_and_leaves_nothing(tmp_path: Path) -> None:
     assert emulation["cpu_share"] == pytest.approx(min(1.0, cores / 4))
     assert emulation["shaped_bandwidth_bps"] == pytest.approx(100e6 / dilation)
     assert emulation["added_delay_s"] == pytest.approx(0.002 * dilation)
+    assert emulation["detect_s"] == pytest.approx(3.0 * dilation)  # the failure detector runs on the dilated clock
+    assert f"failure detection after {3.0 * dilation:g} s" in proc.stdout
     assert summary["wall_s"] == pytest.approx(emulation["measured_wall_s"] / dilation)
     assert summary["history"][-1]["wall_s"] <= summary["wall_s"] + 1e-9
     assert summary["stop_reason"] == "trained 2 epochs" and summary["final_accuracy"] > 0.5

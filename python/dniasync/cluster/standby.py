@@ -112,5 +112,6 @@ class Standby(Actor):
         nodes = {a.partition("@")[2] for a in document["tell"]}
         document["tell"] = [*document["tell"], *(f"{name}@{node}" for node in sorted(nodes) for name in self.also_tell)]
         takeover = Takeover(epoch, f"{COORDINATOR_NAME}@{self.active}", document, self._followed_at)
-        await self.system.spawn(JobRunner, self.config, takeover=takeover, name=COORDINATOR_NAME)
+        await self.system.spawn(JobRunner, self.config, takeover=takeover, name=COORDINATOR_NAME,
+                                liveness_s=self.detect_s)
         self.took_over = True

@@ -80,7 +80,8 @@ async def start_training_coordinator(context: NodeContext) -> None:
     torch.set_num_threads(1)
     config = load_config(path)
     loaded = _last_checkpoint(config) if context.options.get("resume") else None
-    await context.system.spawn(JobRunner, config, resume_from=loaded, name=COORDINATOR_NAME)
+    await context.system.spawn(JobRunner, config, resume_from=loaded, name=COORDINATOR_NAME,
+                               liveness_s=context.options["settings"].detect_s)
     log.info("running job %s (%s) from %s", config.job.name, config.mode, path)
 
 

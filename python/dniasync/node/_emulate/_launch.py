@@ -6,6 +6,7 @@ import json
 import os
 import secrets
 import sys
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -14,6 +15,7 @@ from ...chaos import PROXY_ENV
 from ...cluster.config import ConfigError, load_config
 from ...cluster.modes import get_mode
 from ...cluster.report import RunReport
+from ...remote import RemoteSettings
 from .._local import run_local
 from ._hosts import Emulation, EmulationError, Link, missing
 from ._spec import EmulateSpec, Plan
@@ -46,7 +48,7 @@ class EmulatedPlacement:
 
     def args(self, role: str, index: int) -> list[str]:
         address = self.emulation.address(host_of(role, index))
-        return ["--listen", f"{address}:0", "--token-file", str(self.token_file)]
+        return ["--listen", f"{address}:0", "--token-file", str(self.token_file), "--detect-s", f"{self.plan.detect_after_s:g}"]
 
     def preexec(self, role: str, index: int) -> Callable[[], None]:
         return self.emulation.preexec(host_of(role, index))
@@ -90,6 +92,14 @@ def rescale_summary(path: Path, plan: Plan) -> dict[str, Any]:
     return doc
 
 
+def node_detect_s(config_path: str) -> float:
+    """The job's failure-detection interval: its ``[node] detect_s``, else the transport's default."""
+    with open(config_path, "rb") as fh:
+        table = tomllib.load(fh).get("node", {})
+    value = table.get("detect_s") if isinstance(table, dict) else None
+    return float(value) if isinstance(value, (int, float)) else RemoteSettings().detect_s
+
+
 def run_emulated(config_path: str, spec: EmulateSpec, out: IO[str] = sys.stdout, *, resume: bool = False) -> int:
     """Run the job at ``config_path`` on ``spec.nodes`` emulated nodes; the process exit status."""
     why = missing()
@@ -114,7 +124,7 @@ def run_emulated(config_path: str, spec: EmulateSpec, out: IO[str] = sys.stdout,
         return 2
     hosts = [host_of("coordinator", 0), *(host_of("ps", i) for i in range(n_ps)),
              *(host_of("worker", i) for i in range(n_workers))]
-    plan = Plan(spec, processes=len(hosts), cores=cores())
+    plan = Plan(spec, processes=len(hosts), cores=cores(), detect_s=node_detect_s(config_path))
     try:
         emulation = Emulation(hosts, Link(plan.link_bps, plan.delay_s), plan.cpu_share)
         emulation.start()
@@ -125,7 +135,7 @@ def run_emulated(config_path: str, spec: EmulateSpec, out: IO[str] = sys.stdout,
         print(f"emulation {emulation.rid}: {len(hosts)} hosts ({spec.nodes} {mode.worker_kind}(s), {n_ps} PS, "
               f"the coordinator), {plan.cpu_share:.3g} core each on {plan.cores}, time dilation {plan.dilation:g}; "
               f"links {spec.bandwidth} / {spec.latency} shaped to {plan.link_bps / 1e6:.4g} Mbit/s "
-              f"+ {1e3 * plan.delay_s:.3g} ms", file=out, flush=True)
+              f"+ {1e3 * plan.delay_s:.3g} ms; failure detection after {plan.detect_after_s:g} s", file=out, flush=True)
         placement = EmulatedPlacement(emulation, plan)
         emulation.enter_control()  # the launcher asks the coordinator for status across the bridge
         return run_local(config_path, out, resume=resume, placement=placement)

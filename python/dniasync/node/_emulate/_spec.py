@@ -76,6 +76,8 @@ class Plan:
     spec: EmulateSpec
     processes: int
     cores: int
+    detect_s: float = 3.0
+    """The job's failure-detection interval (``[node] detect_s``) on real nodes."""
 
     @property
     def dilation(self) -> float:
@@ -93,6 +95,12 @@ class Plan:
     def delay_s(self) -> float:
         return self.spec.latency_s * self.dilation
 
+    @property
+    def detect_after_s(self) -> float:
+        """The detection interval the processes get: dilated too, so a node is declared down after the
+        same emulated silence (a process on a fifth of a core answers heartbeats five times later)."""
+        return self.detect_s * self.dilation
+
     def describe(self) -> dict[str, Any]:
         """The summary's ``emulation`` block."""
         return {
@@ -106,6 +114,7 @@ class Plan:
             "latency_s": self.spec.latency_s,
             "shaped_bandwidth_bps": self.link_bps,
             "added_delay_s": self.delay_s,
+            "detect_s": self.detect_after_s,
             "times": f"wall_s, samples_per_s, time_to_target_s and every history/event wall_s are divided "
                      f"by the dilation {self.dilation:g} (measured_wall_s is the clock's)",
         }
