@@ -83,6 +83,7 @@ def train(args: argparse.Namespace, report: dict[str, Any]) -> None:
     snaps, stamps = [flat(model)], [timeline[0][0]]
     local_every = max(1, args.snapshot_every // args.world)
     next_snap, done = local_every, 0
+    alive = args.dir / f"step-{args.rank}"
     try:
         for epoch in range(args.epochs):
             order = torch.from_numpy(plan.indices(args.rank, epoch))
@@ -92,6 +93,7 @@ def train(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 F.cross_entropy(comm.net(x[idx]), y[idx]).backward()  # type: ignore[no-untyped-call]
                 comm.step()
                 done += len(idx)
+                alive.touch()  # bench_scaling's stall check: a rank that stops stepping is stuck in a collective
                 now = time.monotonic() - t0
                 timeline.append((now, done))
                 if args.rank == 0 and done >= next_snap:

@@ -187,8 +187,15 @@ def run_dniasync(system: str, model: str, nodes: int, link: str | None, run: Pat
 # --------------------------------------------------------------------------- torch DDP over the same links
 
 
+STALL_S = 60.0
+"""A DDP run in which no rank finished a step this long (each touches ``step-R`` after every step; a step at
+100 Mbit/s on 8 nodes takes about 13 s of real time) is stuck in a collective: stopped and recorded as failed."""
+
+
 def run_ddp(system: str, model: str, nodes: int, link: str | None, run: Path, epochs: int,
             one_core: bool) -> dict[str, Any]:
+    """N ranks of torch DDP; at one node PowerSGD's run is plain DDP's (nothing to compress, and torch's
+    PowerSGD hook waited forever in a one-rank group here)."""
     shutil.rmtree(run, ignore_errors=True)
     run.mkdir(parents=True)
     c = 1 if one_core else cores()
@@ -203,8 +210,8 @@ def run_ddp(system: str, model: str, nodes: int, link: str | None, run: Path, ep
         master = f"{emulation.address('r0') if emulation else '127.0.0.1'}:{TORCH_PORT}"
         procs = []
         for rank in range(nodes):
-            argv = [*ONE_CORE * one_core, sys.executable, str(HERE / "_scaling_torch.py"), "--model", model, "--system", system,
-                    "--rank", str(rank), "--world", str(nodes), "--dir", str(run), "--master", master,
+            argv = [*ONE_CORE * one_core, sys.executable, str(HERE / "_scaling_torch.py"), "--model", model,
+                    "--system", "ddp" if nodes == 1 else system, "--rank", str(rank), "--world", str(nodes), "--dir", str(run), "--master", master,
                     "--epochs", str(epochs), "--snapshot-every", str(SNAPSHOT_EVERY)]
             if model in ADAGRAD_LR:
                 argv += ["--lr", str(ADAGRAD_LR[model])]
@@ -221,7 +228,17 @@ def run_ddp(system: str, model: str, nodes: int, link: str | None, run: Path, ep
             time.sleep(0.05)
         (run / "go.tmp").write_text(repr(time.monotonic()))
         (run / "go.tmp").rename(run / "go")
-        codes = [p.wait(timeout=4 * 3600) for p in procs]
+        while None in (codes := [p.poll() for p in procs]):  # a rank that fails leaves the others in a collective
+            steps = [f.stat().st_mtime for f in [run / "go", *run.glob("step-*")]]
+            stalled = time.time() - max(steps) > STALL_S
+            if any(codes) or stalled:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+            if stalled:
+                raise RunFailed(f"stalled: no rank finished a step in {STALL_S:g} s (a collective that never "
+                                f"completes)")
+            time.sleep(0.2)
         if any(codes):
             raise RunFailed(f"ranks exited {codes}: {(run / 'rank-0.log').read_text(errors='replace')[-1500:]}")
     finally:
@@ -297,7 +314,7 @@ def run_one(system: str, model: str, nodes: int, link: str | None, work: Path, q
     saved = run / "result.json"
     if reuse and saved.exists():
         kept = json.loads(saved.read_text())
-        if kept.get("depends") == depends and "error" not in kept:
+        if kept.get("depends") == depends:  # a failed run's error too: delete its result.json to run it again
             _common.say(f"  {model} {link or 'real':8s} {system:15s} {nodes} node(s): reused {saved}")
             result = dict(kept["result"])
             if "error" not in result:
@@ -464,7 +481,7 @@ def main() -> None:
     nodes_for = dict(NODES_FOR)
     for item in args.nodes_for:
         key, _, counts = item.partition("=")
-        nodes_for[key] = [int(n) for n in counts.split(",")]
+        nodes_for[key] = [int(n) for n in counts.split(",") if n]  # MODEL:LINK= (none): that part is left out
     plan = [(m, link, system, n) for m in models for link in links for system in systems
             for n in (nodes if args.quick else nodes_for.get(f"{m}:{link}", nodes))]
     _common.say(f"bench_scaling: {cores()} cores; {len(plan)} runs in {work}")
@@ -542,8 +559,8 @@ def main() -> None:
         _common.say("where the curves bend (the runs' own counters):")
         _common.say(_common.table(bends, ("model", "link", "system", "nodes", *(k for k, _ in WHY_COLUMNS))))
     for name, row in results["validation"].items():
-        _common.say(f"validation {name}: samples/s emulated/real {fmt(row['samples_per_s_ratio'], '.2f')}, "
-                    f"time to target {fmt(row['time_to_target_s_ratio'], '.2f')} "
+        _common.say(f"validation {name}: samples/s emulated/{'one core' if 'one_core' in row else 'real'} {fmt(row['samples_per_s_ratio'], '.2f')}, "
+                    f"time to target {fmt(row.get('time_to_target_s_ratio'), '.2f')} "
                     f"({'within' if row['within_tolerance'] else 'outside'} {TOLERANCE:.0%})")
     for name, value in ratios.items():
         _common.say(f"  {name:45s} {value:.3f}")
