@@ -211,7 +211,8 @@ def run_ddp(system: str, model: str, nodes: int, link: str | None, run: Path, ep
         procs = []
         for rank in range(nodes):
             argv = [*ONE_CORE * one_core, sys.executable, str(HERE / "_scaling_torch.py"), "--model", model,
-                    "--system", "ddp" if nodes == 1 else system, "--rank", str(rank), "--world", str(nodes), "--dir", str(run), "--master", master,
+                    "--system", "ddp" if nodes == 1 else system, "--rank", str(rank), "--world", str(nodes),
+                    "--dir", str(run), "--master", master,
                     "--epochs", str(epochs), "--snapshot-every", str(SNAPSHOT_EVERY)]
             if model in ADAGRAD_LR:
                 argv += ["--lr", str(ADAGRAD_LR[model])]
@@ -559,7 +560,8 @@ def main() -> None:
         _common.say("where the curves bend (the runs' own counters):")
         _common.say(_common.table(bends, ("model", "link", "system", "nodes", *(k for k, _ in WHY_COLUMNS))))
     for name, row in results["validation"].items():
-        _common.say(f"validation {name}: samples/s emulated/{'one core' if 'one_core' in row else 'real'} {fmt(row['samples_per_s_ratio'], '.2f')}, "
+        other = "one core" if "one_core" in row else "real"
+        _common.say(f"validation {name}: samples/s emulated/{other} {fmt(row['samples_per_s_ratio'], '.2f')}, "
                     f"time to target {fmt(row.get('time_to_target_s_ratio'), '.2f')} "
                     f"({'within' if row['within_tolerance'] else 'outside'} {TOLERANCE:.0%})")
     for name, value in ratios.items():

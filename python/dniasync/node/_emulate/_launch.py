@@ -48,7 +48,8 @@ class EmulatedPlacement:
 
     def args(self, role: str, index: int) -> list[str]:
         address = self.emulation.address(host_of(role, index))
-        return ["--listen", f"{address}:0", "--token-file", str(self.token_file), "--detect-s", f"{self.plan.detect_after_s:g}"]
+        return ["--listen", f"{address}:0", "--token-file", str(self.token_file),
+                "--detect-s", f"{self.plan.detect_after_s:g}"]
 
     def preexec(self, role: str, index: int) -> Callable[[], None]:
         return self.emulation.preexec(host_of(role, index))
@@ -135,7 +136,8 @@ def run_emulated(config_path: str, spec: EmulateSpec, out: IO[str] = sys.stdout,
         print(f"emulation {emulation.rid}: {len(hosts)} hosts ({spec.nodes} {mode.worker_kind}(s), {n_ps} PS, "
               f"the coordinator), {plan.cpu_share:.3g} core each on {plan.cores}, time dilation {plan.dilation:g}; "
               f"links {spec.bandwidth} / {spec.latency} shaped to {plan.link_bps / 1e6:.4g} Mbit/s "
-              f"+ {1e3 * plan.delay_s:.3g} ms; failure detection after {plan.detect_after_s:g} s", file=out, flush=True)
+              f"+ {1e3 * plan.delay_s:.3g} ms; failure detection after {plan.detect_after_s:g} s",
+              file=out, flush=True)
         placement = EmulatedPlacement(emulation, plan)
         emulation.enter_control()  # the launcher asks the coordinator for status across the bridge
         return run_local(config_path, out, resume=resume, placement=placement)
