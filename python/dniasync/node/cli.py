@@ -425,7 +425,8 @@ def _emulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     else:
         try:
             spec = parse_spec(args.emulate)
-        except SpecError as exc:
+            detect_s = args.detect_s or _load_config(args.config).get("detect_s", RemoteSettings().detect_s)
+        except (SpecError, _UsageError) as exc:
             problem = str(exc)
     if problem is not None:
         parser.print_usage(sys.stderr)
@@ -433,7 +434,7 @@ def _emulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=(args.log_level or "error").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_emulated(args.config, spec, resume=args.resume)
+    return run_emulated(args.config, spec, resume=args.resume, detect_s=detect_s)
 
 
 def main(argv: list[str] | None = None) -> int:

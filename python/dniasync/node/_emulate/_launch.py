@@ -6,7 +6,6 @@ import json
 import os
 import secrets
 import sys
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -15,7 +14,6 @@ from ...chaos import PROXY_ENV
 from ...cluster.config import ConfigError, load_config
 from ...cluster.modes import get_mode
 from ...cluster.report import RunReport
-from ...remote import RemoteSettings
 from .._local import run_local
 from ._hosts import Emulation, EmulationError, Link, missing
 from ._spec import EmulateSpec, Plan
@@ -93,16 +91,10 @@ def rescale_summary(path: Path, plan: Plan) -> dict[str, Any]:
     return doc
 
 
-def node_detect_s(config_path: str) -> float:
-    """The job's failure-detection interval: its ``[node] detect_s``, else the transport's default."""
-    with open(config_path, "rb") as fh:
-        table = tomllib.load(fh).get("node", {})
-    value = table.get("detect_s") if isinstance(table, dict) else None
-    return float(value) if isinstance(value, (int, float)) else RemoteSettings().detect_s
-
-
-def run_emulated(config_path: str, spec: EmulateSpec, out: IO[str] = sys.stdout, *, resume: bool = False) -> int:
-    """Run the job at ``config_path`` on ``spec.nodes`` emulated nodes; the process exit status."""
+def run_emulated(config_path: str, spec: EmulateSpec, out: IO[str] = sys.stdout, *, resume: bool = False,
+                 detect_s: float = 3.0) -> int:
+    """Run the job at ``config_path`` on ``spec.nodes`` emulated nodes; the process exit status. ``detect_s``:
+    the job's failure-detection interval on real nodes (``--detect-s`` or ``[node] detect_s``), dilated here."""
     why = missing()
     if why is not None:
         print(f"error: --emulate {why}", file=sys.stderr)
@@ -125,7 +117,7 @@ def run_emulated(config_path: str, spec: EmulateSpec, out: IO[str] = sys.stdout,
         return 2
     hosts = [host_of("coordinator", 0), *(host_of("ps", i) for i in range(n_ps)),
              *(host_of("worker", i) for i in range(n_workers))]
-    plan = Plan(spec, processes=len(hosts), cores=cores(), detect_s=node_detect_s(config_path))
+    plan = Plan(spec, processes=len(hosts), cores=cores(), detect_s=detect_s)
     try:
         emulation = Emulation(hosts, Link(plan.link_bps, plan.delay_s), plan.cpu_share)
         emulation.start()
