@@ -191,6 +191,7 @@ BAD: list[tuple[str, Any, str, str]] = [
     ("stop.max_steps", 10, "stop.max_steps", "unknown key 'stop.max_steps'"),
     ("eval.every_seconds", 0, "eval.every_seconds", "must be > 0.0"),
     ("eval.every_steps", 0, "eval.every_steps", "must be at least 1"),
+    ("eval.timeout_s", 0, "eval.timeout_s", "must be > 0.0"),
     ("model.kwargs.size", [64, 10], "model.kwargs", "unknown argument 'size'"),
     ("model.kwargs.activation", "swish", "model.kwargs", "unknown activation 'swish'"),
     ("model.factory", "dniasync.train.models:nope", "model.factory", "has no attribute 'nope'"),

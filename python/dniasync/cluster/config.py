@@ -199,6 +199,10 @@ class EvalConfig(Section, frozen=True):
     deferred: Annotated[bool, Meta(description=(
         "take the weights at each interval but score them after training (no evaluation CPU while training; "
         "not with stop.target_accuracy). At most 256 snapshots wait; beyond that the oldest is scored at once"))] = False
+    timeout_s: Annotated[float, Meta(gt=0.0, description=(
+        "how long taking the weights for one evaluation may last (the PS shards', a peer's or the stages' replies); "
+        "past it that evaluation is skipped (event `eval_failed`) and training goes on. Raise it for a large model "
+        "on slow links: 23 MB take 1.9 s at 100 Mbit/s, and under `--emulate` every wait is d times longer"))] = 30.0
 
     def __post_init__(self) -> None:
         if self.every_seconds is not None and self.every_steps is not None:

@@ -45,7 +45,6 @@ PS_LOST_AFTER_S: Final = 20.0
 """A PS shard unreachable this long ends the job (a freeze of a few seconds is survived)."""
 MAX_DEFERRED_SNAPSHOTS: Final = 256
 """``eval.deferred`` keeps at most this many sets of weights; beyond, the oldest is scored at once."""
-EVAL_TIMEOUT_S: Final = 30.0
 STOP_GRACE_S: Final = 10.0
 """How long a shutting-down coordinator may spend writing the summary of an unfinished job."""
 STOPPED: Final = "stopped: the coordinator was shut down before the job ended"
@@ -376,7 +375,7 @@ class JobRunner(Actor):
     async def _evaluate(self) -> None:
         """Take the weights now and score them (with ``eval.deferred``: keep them to score after training)."""
         try:
-            async with asyncio.timeout(EVAL_TIMEOUT_S):
+            async with asyncio.timeout(self.config.eval.timeout_s):
                 snapshot = await self.job.snapshot()
         except (ActorError, TimeoutError) as exc:
             self.event(EVENT_EVAL_FAILED, reason=repr(exc))
@@ -457,7 +456,7 @@ class JobRunner(Actor):
             log.info("training done: scoring %d deferred evaluations", len(self._deferred))
             while self._deferred:
                 await self._score(self._deferred.popleft())
-        async with asyncio.timeout(EVAL_TIMEOUT_S):
+        async with asyncio.timeout(self.config.eval.timeout_s):  # the mode's figures travel as the weights do
             await self.job.record(self.report)
 
     # -- status -------------------------------------------------------------------

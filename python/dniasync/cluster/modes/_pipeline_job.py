@@ -664,7 +664,7 @@ class PipelineJob:
             # broken, about to roll back to its capture: those are the weights it trains on next
             return Snapshot([merge_stage_states(capture.groups, [_layer_state(s) for s in capture.states])])
         async with self._regroup_lock:  # the shards' slices and the split they belong to, together
-            replies = await asyncio.gather(*(ps.ask(Pull(), timeout=10.0) for ps in self.runner.ps if ps is not None))
+            replies = await asyncio.gather(*(ps.ask(Pull(), timeout=self.config.eval.timeout_s) for ps in self.runner.ps if ps is not None))
             groups = [list(g) for g in self.groups]
         shards: dict[int, np.ndarray] = {}
         for reply in replies:

@@ -169,7 +169,7 @@ class _DownpourJob(DataParallelJob):
                           sparse_mode(self.settings.sparse))
 
     async def snapshot(self) -> Snapshot:
-        replies = await asyncio.gather(*(ps.ask(Pull(), timeout=10.0) for ps in self.runner.ps if ps is not None))
+        replies = await asyncio.gather(*(ps.ask(Pull(), timeout=self.config.eval.timeout_s) for ps in self.runner.ps if ps is not None))
         weights = self.eval_buffer.copy()
         for reply in replies:
             assert isinstance(reply, Params)

@@ -74,7 +74,6 @@ PEERS_REPEAT_S: Final = 1.0
 """The membership is told again this often (a peer whose inbox was not up yet at a change gets it)."""
 SETTLE_S: Final = 10.0
 """At the end, how long the coordinator waits for every live peer's ledger to hold every update sent."""
-COPY_TIMEOUT_S: Final = 10.0
 
 
 
@@ -188,7 +187,7 @@ class _P2PJob(DataParallelJob):
         error: BaseException | None = None
         for _, state in live:
             try:
-                reply = await self._inbox(state).ask(DenseRequest(), timeout=COPY_TIMEOUT_S)
+                reply = await self._inbox(state).ask(DenseRequest(), timeout=self.config.eval.timeout_s)
             except ActorError as exc:
                 error = exc
                 continue
@@ -202,7 +201,7 @@ class _P2PJob(DataParallelJob):
         from ...train.sync.p2p import Sketch, SketchRequest
 
         ask = SketchRequest(self.config.job.seed, SKETCH_BUCKETS)
-        replies = await asyncio.gather(*(self._inbox(r).ask(ask, timeout=COPY_TIMEOUT_S) for _, r in live),
+        replies = await asyncio.gather(*(self._inbox(r).ask(ask, timeout=self.config.eval.timeout_s) for _, r in live),
                                        return_exceptions=True)
         for reply in replies:
             if isinstance(reply, BaseException) and not isinstance(reply, ActorError):

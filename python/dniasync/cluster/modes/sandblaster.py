@@ -233,12 +233,12 @@ class _SandblasterJob:
             """From the first copy that answers (the coordinator commands each of them)."""
             for ref in copies[:-1]:
                 try:
-                    reply = await ref.ask(Fetch(-1), timeout=10.0)
+                    reply = await ref.ask(Fetch(-1), timeout=self.config.eval.timeout_s)
                 except ActorError:
                     continue
                 if isinstance(reply, Slice):
                     return reply
-            reply = await copies[-1].ask(Fetch(-1), timeout=10.0)
+            reply = await copies[-1].ask(Fetch(-1), timeout=self.config.eval.timeout_s)
             if not isinstance(reply, Slice):
                 raise ActorError(f"{copies[-1].address}: {reply!r}")
             return reply
