@@ -19,10 +19,12 @@ through PS shards, so no per-replica running statistics), each with
   ``pipeline:spectrain+ps`` (2 stages x 2 replicas) against 4-process Downpour (with and without the
   staleness-aware lr).
 
-Each method gets its own lr: every lr of its grid is run on the first seed, the best (earliest to the
-higher target, then to the lower, then best accuracy) runs the other seeds; the first seed's run at the
-best lr is reused, so each method has ``len(grid) + seeds - 1`` runs. The JSON records every grid, every
-sweep run and the lr chosen.
+Each method gets its own lr: every lr of its grid is run on the first seed; when the best (earliest to the
+higher target, then to the lower, then best accuracy) is an end of what it ran at, the next lr beyond that end
+runs too, the grid's own step apart, until the best lies inside (at most ``MAX_EXTEND`` beyond each end); the
+best runs the other seeds, the first seed's run at it reused, so each method has ``len(grid) + extensions +
+seeds - 1`` runs. The JSON records every grid, the lrs each method ran at, every sweep run and the lr chosen.
+A cell saved before bracketing existed gets only its missing runs (``--reuse``).
 
 Ratios (bigger is better; medians over seeds, with the min-max of the seed-paired ratios in results):
 ``cdni_ps_vs_downpour_time_to_90`` (4-process Downpour's median time to 90% / cDNI x Downpour's), the same
@@ -247,11 +249,83 @@ def cached_cell(model: str, workers: int, labels: Sequence[str], setup: Setup, s
     return saved["cell"] if saved.get("fingerprint") == fingerprint(model, workers, labels, setup, seed0) else None
 
 
+MAX_EXTEND = 2
+"""A method whose best lr is the lowest (or highest) it ran at gets up to this many lrs beyond its grid on that
+side, one at a time and the grid's own step apart, so that its best lies inside what it ran at. (In the first
+full run 19 of the 32 methods' best lrs were an end of their grid.)"""
+
+
+def _free_dir(cell: str, stem: str) -> tuple[int, Path]:
+    k = 0
+    while (WORK / cell / f"{stem}{k}").exists():
+        k += 1
+    return k, WORK / cell / f"{stem}{k}"
+
+
+def next_lr(variant: Variant, setup: Setup, tried: Sequence[float], best: float) -> float | None:
+    """The lr to run next to bracket ``best`` among the lrs ``tried``, or None: bracketed, or the limit reached."""
+    grid = grid_of(variant, setup)
+    if len(grid) < 2:  # the quick run: one point
+        return None
+    if best == min(tried) and sum(lr < grid[0] for lr in tried) < MAX_EXTEND:
+        return float(f"{min(tried) * grid[0] / grid[1]:.3g}")
+    if best == max(tried) and sum(lr > grid[-1] for lr in tried) < MAX_EXTEND:
+        return float(f"{max(tried) * grid[-1] / grid[-2]:.3g}")
+    return None
+
+
+def bracket(cell: str, model: str, workers: int, variants: Sequence[Variant], setup: Setup, seed0: int,
+            sweep: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs on the first seed beyond the grids of the methods whose best lr is an end of what they ran at,
+    until each is bracketed (or ``MAX_EXTEND`` more on that side); the new sweep rows."""
+    new: list[dict[str, Any]] = []
+    while True:
+        items = []
+        for v in variants:
+            mine = [r for r in (*sweep, *new) if r["label"] == v.label]
+            if not any(r.get("status") == "ok" for r in mine):
+                continue  # cannot run, or failed at every lr: nothing to bracket
+            lr = next_lr(v, setup, sorted({r["lr"] for r in mine}), min(mine, key=rank)["lr"])
+            if lr is not None:
+                items.append((v, lr))
+        if not items:
+            return new
+        for batch in batches(items):
+            _common.say(f"[{cell}] beyond the grid: " + ", ".join(f"{v.label} lr {lr:g}" for v, lr in batch))
+            new += run_compare(batch, model, setup, workers, seed0, 1, _free_dir(cell, "extend")[1])
+
+
+def other_seeds(cell: str, model: str, workers: int, chosen: Sequence[tuple[Variant, float]], setup: Setup,
+                seed0: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    if setup.seeds > 1:
+        for k, batch in enumerate(batches(chosen)):
+            _common.say(f"[{cell}] seeds {seed0 + 1}..{seed0 + setup.seeds - 1}, batch {k + 1}: "
+                        + ", ".join(f"{v.label} lr {lr:g}" for v, lr in batch))
+            rows += run_compare(batch, model, setup, workers, seed0 + 1, setup.seeds - 1, _free_dir(cell, "seeds")[1])
+    return rows
+
+
+def method_entry(v: Variant, setup: Setup, lr: float, rows: Sequence[dict[str, Any]],
+                 sweep: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A method's result: its best lr, the lrs it ran at, the aggregate over its seeds at that lr."""
+    ran = [r for r in rows if "time_to_target_s" in r]
+    return {
+        "method": v.method, "lr": lr, "grid": list(grid_of(v, setup)),
+        "lrs_run": sorted({r["lr"] for r in sweep if r["label"] == v.label}),
+        "optimizer": v.overrides(lr)["optimizer"], "extra": v.extra,
+        "differences": next((r["differences"] for r in ran if "differences" in r), []),
+        "cannot_run": next((r["error"] for r in rows if r["status"] == "cannot run"), None),
+        "aggregate": aggregate(ran, TARGETS) if ran else None,
+        "runs": [_brief(r) for r in rows],
+    }
+
+
 def run_cell(model: str, workers: int, labels: Sequence[str], setup: Setup, seed0: int,
              rows: Sequence[str] = (), saved: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The sweep on the first seed, then the other seeds at each method's best lr; saved as the cell's
-    ``cell.json`` (with what it depends on) so a later ``--reuse`` run can take it instead of running it again.
-    ``rows``: run only these labels, the others taken from ``saved`` (the cell's earlier result)."""
+    """The sweep on the first seed (bracketed: ``bracket``), then the other seeds at each method's best lr; saved
+    as the cell's ``cell.json`` (with what it depends on) so a later ``--reuse`` run can take it instead of running
+    it again. ``rows``: run only these labels, the others taken from ``saved`` (the cell's earlier result)."""
     cell = f"{model}_{workers}w"
     started = time.monotonic()
     variants = [VARIANTS[label] for label in labels if not rows or label in rows]
@@ -260,36 +334,56 @@ def run_cell(model: str, workers: int, labels: Sequence[str], setup: Setup, seed
     for k, batch in enumerate(batches(items)):
         _common.say(f"[{cell}] sweep {k + 1}: " + ", ".join(f"{v.label} lr {lr:g}" for v, lr in batch))
         sweep += run_compare(batch, model, setup, workers, seed0, 1, WORK / cell / f"sweep{k}")
+    sweep += bracket(cell, model, workers, variants, setup, seed0, sweep)
     best: dict[str, float] = {}
     for v in variants:
         mine = [r for r in sweep if r["label"] == v.label]
         best[v.label] = min(mine, key=rank)["lr"]
     final = [r for r in sweep if r["lr"] == best[r["label"]]]
-    if setup.seeds > 1:
-        chosen = [(v, best[v.label]) for v in variants]
-        for k, batch in enumerate(batches(chosen)):
-            _common.say(f"[{cell}] seeds {seed0 + 1}..{seed0 + setup.seeds - 1}, batch {k + 1}: "
-                        + ", ".join(f"{v.label} lr {lr:g}" for v, lr in batch))
-            final += run_compare(batch, model, setup, workers, seed0 + 1, setup.seeds - 1, WORK / cell / f"seeds{k}")
-    methods = {}
-    for v in variants:
-        rows = [r for r in final if r["label"] == v.label]
-        ran = [r for r in rows if "time_to_target_s" in r]
-        methods[v.label] = {
-            "method": v.method, "lr": best[v.label], "grid": list(grid_of(v, setup)),
-            "optimizer": v.overrides(best[v.label])["optimizer"], "extra": v.extra,
-            "differences": next((r["differences"] for r in ran), []),
-            "cannot_run": next((r["error"] for r in rows if r["status"] == "cannot run"), None),
-            "aggregate": aggregate(ran, TARGETS) if ran else None,
-            "runs": [_brief(r) for r in rows],
-        }
-    out = {"model": model, "workers": workers, "methods": methods, "sweep": [_brief(r) for r in sweep],
-           "wall_s": time.monotonic() - started}
+    final += other_seeds(cell, model, workers, [(v, best[v.label]) for v in variants], setup, seed0)
+    methods = {v.label: method_entry(v, setup, best[v.label], [r for r in final if r["label"] == v.label], sweep)
+               for v in variants}
+    out: dict[str, Any] = {"model": model, "workers": workers, "methods": methods,
+                           "sweep": [_brief(r) for r in sweep], "wall_s": time.monotonic() - started}
     if saved is not None:  # the rows not re-run, as the earlier run measured them
         out["methods"] = {label: methods[label] if label in methods else saved["methods"][label] for label in labels}
         out["sweep"] = [r for r in saved["sweep"] if r["label"] not in methods] + out["sweep"]
         out["rows_rerun"] = [*saved.get("rows_rerun", []), {"rows": list(methods), "wall_s": out["wall_s"]}]
         out["wall_s"] += saved.get("wall_s", 0.0)
+    (WORK / cell / "cell.json").write_text(json.dumps(
+        {"fingerprint": fingerprint(model, workers, labels, setup, seed0), "cell": out}, indent=1))
+    return out
+
+
+def bracket_saved(model: str, workers: int, labels: Sequence[str], setup: Setup, seed0: int,
+                  saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved cell whose methods' best lrs are ends of their grids, bracketed: the runs beyond the grids, and the
+    other seeds of a method whose best lr moved (the others' seeds are kept); saved again."""
+    cell = f"{model}_{workers}w"
+    started = time.monotonic()
+    variants = [VARIANTS[label] for label in labels]
+    new = bracket(cell, model, workers, variants, setup, seed0, saved["sweep"])
+    sweep = [*saved["sweep"], *new]
+    methods = dict(saved["methods"])
+    moved: list[tuple[Variant, float]] = []
+    for v in variants:
+        mine = [r for r in sweep if r["label"] == v.label]
+        if not any(r.get("status") == "ok" for r in mine):
+            continue
+        lr = min(mine, key=rank)["lr"]
+        if lr != methods[v.label]["lr"]:
+            moved.append((v, lr))
+        else:
+            methods[v.label] = {**methods[v.label], "lrs_run": sorted({r["lr"] for r in mine})}
+    final = [r for r in new if (VARIANTS[r["label"]], r["lr"]) in moved]
+    final += other_seeds(cell, model, workers, moved, setup, seed0)
+    for v, lr in moved:
+        _common.say(f"[{cell}] {v.label}: best lr {methods[v.label]['lr']:g} -> {lr:g}")
+        methods[v.label] = method_entry(v, setup, lr, [r for r in final if r["label"] == v.label], sweep)
+    out = {**saved, "methods": {label: methods[label] for label in labels}, "sweep": [_brief(r) for r in sweep],
+           "wall_s": saved.get("wall_s", 0.0) + time.monotonic() - started,
+           "bracketed": [*saved.get("bracketed", []), {"runs": len(new), "moved": {v.label: lr for v, lr in moved},
+                                                      "wall_s": time.monotonic() - started}]}
     (WORK / cell / "cell.json").write_text(json.dumps(
         {"fingerprint": fingerprint(model, workers, labels, setup, seed0), "cell": out}, indent=1))
     return out
@@ -484,7 +578,7 @@ def main() -> None:
     if unknown:
         p.error(f"unknown cell(s) {', '.join(sorted(unknown))}: the cells are "
                 + ", ".join(f"{m}_{w}w" for m in setup.models for w in setup.cells))
-    reused = []
+    reused: list[str] = []
     for model in setup.models:
         for workers, labels in setup.cells.items():
             name = f"{model}_{workers}w"
@@ -497,6 +591,8 @@ def main() -> None:
             elif saved is not None:
                 _common.say(f"[{name}] reused from {WORK / name / 'cell.json'}")
                 cells[name], reused = saved, [*reused, name]
+                if (not only or name in only) and not args.quick:  # a cell saved before its lrs were bracketed
+                    cells[name] = bracket_saved(model, workers, labels, setup, seed0, saved)
             elif not only or name in only:
                 cells[name] = run_cell(model, workers, labels, setup, seed0)
     wall = time.monotonic() - started
@@ -527,8 +623,10 @@ def main() -> None:
                   "stop": {"max_epochs": setup.max_epochs, "max_seconds": setup.max_seconds},
                   "evaluation": f"every {EVAL_EVERY_S:g} s of training, charged to no method: the torch "
                                 "baselines pause their clock, dniasync jobs score deferred snapshots after training",
-                  "lr_choice": "every lr of the method's grid on seed 0; the best (earliest to 92%, then to 90%, "
-                               "then best accuracy) runs the other seeds; seed 0's run at it is reused",
+                  "lr_choice": "every lr of the method's grid on seed 0, then lrs beyond an end of it (the grid's "
+                               f"step apart, at most {MAX_EXTEND} per end) while the best is that end; the best "
+                               "(earliest to 92%, then to 90%, then best accuracy) runs the other seeds; seed 0's "
+                               "run at it is reused",
                   "runner": "python -m dniasync.compare (each run through the real launcher)",
                   "wall_s": cell_wall, "wall_s_this_invocation": wall, "cells": list(cells),
                   "cells_reused": reused, "runs": runs},
