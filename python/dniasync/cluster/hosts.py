@@ -13,13 +13,21 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ..actors import Actor, ActorError, ActorNotFound, ActorRef, Backoff, handler, message
+from ..actors import Actor, ActorError, ActorNotFound, ActorRef, AskTimeout, Backoff, handler, message
 from ..train.messages import CoordinatorEpoch, fenced
 from .protocol import Assignment, JoinJob, NoJob, Ready
 
 __all__ = ["Host"]
 
 log = logging.getLogger("dniasync.cluster.hosts")
+
+JOIN_TIMEOUT_S = 10.0
+"""The first wait for the runner's answer to a join; it doubles after each wait that ran out, up to
+``MAX_JOIN_TIMEOUT_S``. A PS host's answer carries its shard's initial values: 8 shards of a 23 MB model from
+one coordinator take about 2 s at 100 Mbit/s and 16 s on that link emulated 8.5 times slower. Past a fixed
+10 s wait every host asked again, the runner queued the same values again behind the first answers, and the
+link never caught up: the job never started."""
+MAX_JOIN_TIMEOUT_S = 300.0
 
 
 @message("dniasync.cluster.hosts.Attempt")
@@ -36,6 +44,7 @@ class Host(Actor):
         self.role = role
         self._backoff = Backoff(retry_s, max_retry_s, jitter=0.2)
         self.incarnation = time.time_ns() // 1000
+        self._join_timeout_s = JOIN_TIMEOUT_S
         self.ready: Ready | None = None
         """What to tell the runner once it answers (a busy machine may drop a connection meanwhile)."""
         self.hosted: list[ActorRef] = []
@@ -55,11 +64,14 @@ class Host(Actor):
             await self._announce(runner, self.ready)
             return
         try:
-            reply = await runner.ask(JoinJob(self.ref.address, self.role, self.incarnation), timeout=10.0)
+            reply = await runner.ask(JoinJob(self.ref.address, self.role, self.incarnation),
+                                     timeout=self._join_timeout_s)
         except ActorNotFound:
             log.info("%s host: the coordinator runs no training job; idle", self.role)
             return
         except ActorError as exc:
+            if isinstance(exc, AskTimeout):  # an answer may be on its way: wait longer for the next one
+                self._join_timeout_s = min(2 * self._join_timeout_s, MAX_JOIN_TIMEOUT_S)
             log.info("%s host: coordinator not reachable yet (%s); retrying", self.role, exc)
             self._retry()
             return
