@@ -193,9 +193,10 @@ def run_dniasync(system: str, model: str, nodes: int, link: str | None, run: Pat
 # --------------------------------------------------------------------------- torch DDP over the same links
 
 
-STALL_S = 60.0
-"""A DDP run in which no rank finished a step this long (each touches ``step-R`` after every step; a step at
-100 Mbit/s on 8 nodes takes about 13 s of real time) is stuck in a collective: stopped and recorded as failed."""
+STALL_S = {"1gbit": 60.0, "100mbit": 600.0, None: 60.0}
+"""A DDP run in which no rank finished a step this long (each touches ``step-R`` after every step) is stuck in a
+collective: stopped and recorded as failed. On 8 nodes a step moves 40 MB through every rank's link: about 4 s of
+real time at 1 Gbit/s emulated, and the first step at 100 Mbit/s took longer than 60 s."""
 
 
 def run_ddp(system: str, model: str, nodes: int, link: str | None, run: Path, epochs: int,
@@ -237,13 +238,13 @@ def run_ddp(system: str, model: str, nodes: int, link: str | None, run: Path, ep
         (run / "go.tmp").rename(run / "go")
         while None in (codes := [p.poll() for p in procs]):  # a rank that fails leaves the others in a collective
             steps = [f.stat().st_mtime for f in [run / "go", *run.glob("step-*")]]
-            stalled = time.time() - max(steps) > STALL_S
+            stalled = time.time() - max(steps) > STALL_S[link]
             if any(codes) or stalled:
                 for p in procs:
                     if p.poll() is None:
                         p.kill()
             if stalled:
-                raise RunFailed(f"stalled: no rank finished a step in {STALL_S:g} s (a collective that never "
+                raise RunFailed(f"stalled: no rank finished a step in {STALL_S[link]:g} s (a collective that never "
                                 f"completes)")
             time.sleep(0.2)
         if any(codes):
