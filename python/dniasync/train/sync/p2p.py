@@ -711,10 +711,6 @@ class PeerInbox(Actor):
     """Receives a peer's messages for its :class:`P2PSync` (a child of the trainer, named :func:`inbox_name`)."""
 
     mailbox_size = 4096
-    urgent_messages = (DenseRequest, SketchRequest, P2PStatsRequest)
-    """Asked for the weights (or their sketch, or the counters) as they are: answered ahead of updates still
-    waiting, which the copy's ledger says it lacks. A peer behind its inbox (8 emulated peers on 0.22 of a core
-    each) answered the coordinator's evaluation only after every queued update, once per run."""
 
     def __init__(self, sync: P2PSync) -> None:
         self.sync = sync
