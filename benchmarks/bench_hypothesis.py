@@ -255,11 +255,12 @@ side, one at a time and the grid's own step apart, so that its best lies inside 
 full run 19 of the 32 methods' best lrs were an end of their grid.)"""
 
 
-def _free_dir(cell: str, stem: str) -> tuple[int, Path]:
+def _free_dir(cell: str, stem: str) -> Path:
+    """The cell's first ``<stem>N`` directory not yet used (earlier runs' directories are kept: rows point at them)."""
     k = 0
     while (WORK / cell / f"{stem}{k}").exists():
         k += 1
-    return k, WORK / cell / f"{stem}{k}"
+    return WORK / cell / f"{stem}{k}"
 
 
 def next_lr(variant: Variant, setup: Setup, tried: Sequence[float], best: float) -> float | None:
@@ -292,7 +293,7 @@ def bracket(cell: str, model: str, workers: int, variants: Sequence[Variant], se
             return new
         for batch in batches(items):
             _common.say(f"[{cell}] beyond the grid: " + ", ".join(f"{v.label} lr {lr:g}" for v, lr in batch))
-            new += run_compare(batch, model, setup, workers, seed0, 1, _free_dir(cell, "extend")[1])
+            new += run_compare(batch, model, setup, workers, seed0, 1, _free_dir(cell, "extend"))
 
 
 def other_seeds(cell: str, model: str, workers: int, chosen: Sequence[tuple[Variant, float]], setup: Setup,
@@ -302,7 +303,7 @@ def other_seeds(cell: str, model: str, workers: int, chosen: Sequence[tuple[Vari
         for k, batch in enumerate(batches(chosen)):
             _common.say(f"[{cell}] seeds {seed0 + 1}..{seed0 + setup.seeds - 1}, batch {k + 1}: "
                         + ", ".join(f"{v.label} lr {lr:g}" for v, lr in batch))
-            rows += run_compare(batch, model, setup, workers, seed0 + 1, setup.seeds - 1, _free_dir(cell, "seeds")[1])
+            rows += run_compare(batch, model, setup, workers, seed0 + 1, setup.seeds - 1, _free_dir(cell, "seeds"))
     return rows
 
 
