@@ -304,17 +304,18 @@ def test_four_peers_reach_92_percent_on_mnist_and_their_copies_stay_close(tmp_pa
     _assert_ledgers_complete(doc, peers)
     # once every copy holds every update, only float rounding (the order of the adds) keeps them apart
     assert m["consensus_distance_settled"] < 1e-5
-    # while training, copies differ by the updates in flight. Early on that depends on when each peer joined and
-    # how fast the others ran meanwhile (measured: 0.68 at the very first evaluation, 0.27 at 4,000-7,000 samples
-    # in 2 of 6 runs, <= 0.03 in the others), so the bound holds over the second half of the run, where every
-    # peer has long joined: measured <= 0.03 there at tau 0.002 (6 runs, quiet and busy machine), 0.004 at the
-    # example's tau 0.006. 0.25 stays far above: a peer max_lag = 16 updates behind is ~0.15 away at tau 0.006
-    # (16 x tau x sqrt(elements coded)) / |w|), so 0.25 means copies that broke apart, not a slow machine.
+    # while training, copies differ by the updates in flight, and how many are in flight depends on the machine:
+    # a peer starved of CPU (CI: five processes on two cores) holds back what it sends and what it applies, and a
+    # copy once lacked most of the run (a reading of 0.94, in CI). Each reading names the most updates a copy lacked
+    # of those the peers had sent (lag_max); within max_lag = 16 of every update, copies stay close whatever the
+    # timing: a copy 16 updates behind is ~0.15 away at tau 0.006 (16 x tau x sqrt(elements coded) / |w|), so 0.25
+    # means copies that broke apart (the same updates, different weights), not a slow machine.
     series = json.loads((tmp_path / "p2p4" / "consensus.json").read_text())
-    # (a run that reaches the target fast has few readings: the second half from 10,000 samples on, else the last)
-    later = [c for c in series if c["samples"] >= max(series[-1]["samples"] / 2, 10_000)] or series[-1:]
-    assert later, series
-    assert max(c["max"] for c in later) < 0.25, later
+    assert series and all(c["lag_max"] >= 0 for c in series), series
+    close = [c for c in series if c["lag_max"] <= 16]
+    assert all(c["max"] < 0.25 for c in close), close
+    # and the same updates, the same weights: copies lacking none differ by float rounding only
+    assert all(c["max"] < 1e-5 for c in series if c["lag_max"] == 0), series
     # the threshold codec sends far less than the dense update would (three receivers per step)
     assert m["bytes_sent_per_step"] < 3 * m["dense_bytes_per_step"] / 2
 

@@ -22,7 +22,10 @@ through the coordinator. The coordinator keeps job control only:
   over live peers of ``||w_i - mean(w)|| / ||mean(w)||``, estimated from the
   sketches (the sketch is linear: the mean's sketch is the sketches' mean;
   within ~1.6% of the exact figure, one standard deviation).
-  ``consensus.json`` beside the summary holds the series. Copying every peer's
+  ``consensus.json`` beside the summary holds the series, each reading with
+  ``lag_max``: the most updates any sketched copy lacked of those another
+  held or their origin had sent (:func:`in_flight`; copies lacking none
+  differ by float rounding only). Copying every peer's
   weights instead would cost N dense copies per evaluation on the training's
   links;
 - at the end it waits (at most :data:`SETTLE_S`) for every live peer's ledger
@@ -62,6 +65,7 @@ from ._data_parallel import DataParallelJob, DataParallelMode, _Replica, host_re
 from ._peers import ask_peer_stats, inbox_of, ledgers_complete, tell_peers
 
 if TYPE_CHECKING:
+    from ...train.sync.p2p import Sketch
     from ..config import Config
     from ..mode_api import Runner
     from ..report import RunReport
@@ -177,7 +181,8 @@ class _P2PJob(DataParallelJob):
         copy, sketches = await asyncio.gather(self._dense_copy(live), self._sketches(live))
         if len(sketches) >= 2:
             self.consensus.append({"seconds": time.monotonic() - self._t0, "samples": float(self.samples()),
-                                   **consensus_distance(sketches), "peers": float(len(sketches))})
+                                   **consensus_distance([s.values for s in sketches]), "peers": float(len(sketches)),
+                                   "lag_max": float(max(in_flight(sketches)))})
         return Snapshot(copy)
 
     async def _dense_copy(self, live: Sequence[tuple[str, _Replica]]) -> np.ndarray:
@@ -195,7 +200,7 @@ class _P2PJob(DataParallelJob):
                 return reply.values
         raise error if isinstance(error, ActorError) else ActorError("no peer answered with its weights")
 
-    async def _sketches(self, live: Sequence[tuple[str, _Replica]]) -> list[np.ndarray]:
+    async def _sketches(self, live: Sequence[tuple[str, _Replica]]) -> list[Sketch]:
         """Every live peer's count-sketch that arrived (a peer that fails to answer is left out of the distance)."""
         from ...train.sketch import SKETCH_BUCKETS
         from ...train.sync.p2p import Sketch, SketchRequest
@@ -206,7 +211,7 @@ class _P2PJob(DataParallelJob):
         for reply in replies:
             if isinstance(reply, BaseException) and not isinstance(reply, ActorError):
                 raise reply
-        return [r.values for r in replies if isinstance(r, Sketch)]
+        return [r for r in replies if isinstance(r, Sketch)]
 
     # -- ending ------------------------------------------------------------------------------
     async def _ask_stats(self) -> dict[str, dict[str, Any]]:
@@ -262,7 +267,7 @@ class _P2PJob(DataParallelJob):
         # of identical copies is identical, so this is 0 then, not 0 +- the sketch's error)
         sketches = await self._sketches(live)
         if len(sketches) >= 2:
-            report.set_metric("consensus_distance_settled", consensus_distance(sketches)["max"])
+            report.set_metric("consensus_distance_settled", consensus_distance([s.values for s in sketches])["max"])
         else:
             log.warning("no settled consensus distance: %d of %d live peers sent a sketch", len(sketches), len(live))
         out = Path(self.config.output_dir)
@@ -274,6 +279,25 @@ class _P2PJob(DataParallelJob):
         if self.consensus:
             out["consensus_distance_max"] = self.consensus[-1]["max"]
         return out
+
+
+def in_flight(sketches: Sequence[Sketch]) -> list[int]:
+    """For each sketched copy, the updates it lacks of those another copy holds or their origin had sent.
+
+    Every update of an origin up to the highest any copy holds (or the origin had sent when it answered) counts;
+    copies lacking none hold the same updates and are the same but for float rounding (with local steps, but for
+    the outer optimizer's order): these updates alone keep copies apart.
+    """
+    known: dict[str, int] = {}
+    for s in sketches:
+        known[s.origin] = max(known.get(s.origin, 0), s.sent)
+        for origin, entry in s.ledger.items():
+            known[origin] = max(known.get(origin, 0), *entry)
+    lags = []
+    for s in sketches:
+        held = {o: e[0] + len(e) - 1 for o, e in s.ledger.items()}  # [have, *extra]: all up to have, and those
+        lags.append(sum(n - held.get(o, 0) for o, n in known.items() if o != s.origin))
+    return lags
 
 
 def consensus_distance(copies: Sequence[np.ndarray]) -> dict[str, float]:

@@ -180,11 +180,18 @@ class SketchRequest:
 @message("dniasync.train.sync.p2p.Sketch")
 @dataclass(frozen=True)
 class Sketch:
-    """A peer's shared weights, sketched (:class:`~dniasync.train.sketch.CountSketch`): ``k`` float64 sums."""
+    """A peer's shared weights, sketched (:class:`~dniasync.train.sketch.CountSketch`): ``k`` float64 sums.
+
+    ``origin`` and ``sent`` name the peer's own updates; ``ledger``: the updates the sketched weights hold, as in
+    a :class:`DenseCopy`, so the job can tell how many updates in flight keep two copies apart.
+    """
 
     peer: str
     values: np.ndarray
     steps: int
+    origin: str
+    sent: int
+    ledger: dict[str, list[int]]
 
 
 @message("dniasync.train.sync.p2p.P2PStatsRequest")
@@ -589,8 +596,8 @@ class P2PSync:
                     self.counters.bytes_sent += int(payload.nbytes)
 
     # -- dense copies ------------------------------------------------------------------------
-    def dense_copy(self) -> DenseCopy:
-        """The shared weights and the ledger they stand for (received updates still waiting excluded)."""
+    def _ledger_of_weights(self) -> dict[str, list[int]]:
+        """The ledger the shared weights stand for, on the wire (received updates still waiting excluded)."""
         ledger = {o: _Received(r.have, set(r.extra), r.high) for o, r in self.ledger.items()}
         for origin, seq, _ in self._pending:
             got = ledger[origin]
@@ -598,16 +605,20 @@ class P2PSync:
                 got.extra |= set(range(seq + 1, got.have + 1))
                 got.have = seq - 1
             got.extra.discard(seq)
+        return {o: r.wire() for o, r in ledger.items()}
+
+    def dense_copy(self) -> DenseCopy:
+        """The shared weights and the ledger they stand for (received updates still waiting excluded)."""
         self.counters.dense_given += 1
         self.counters.bytes_sent += 4 * self.n
-        return DenseCopy(self.me, self.w.copy(), {o: r.wire() for o, r in ledger.items()}, self.steps)
+        return DenseCopy(self.me, self.w.copy(), self._ledger_of_weights(), self.steps)
 
     def sketch(self, msg: SketchRequest) -> Sketch:
         """The count-sketch of the shared weights (received updates still waiting excluded, as in a dense copy)."""
         sketcher = self._sketcher
         if sketcher is None or (sketcher.seed, sketcher.k) != (msg.seed, msg.k):
             sketcher = self._sketcher = CountSketch(self.n, msg.k, msg.seed)
-        return Sketch(self.me, sketcher(self.w), self.steps)
+        return Sketch(self.me, sketcher(self.w), self.steps, self.origin, self.seq, self._ledger_of_weights())
 
     async def _copy_from(self, peer: ActorRef) -> bool:
         """Take ``peer``'s shared weights and ledger; re-apply own updates the copy lacks. False if it failed."""
