@@ -1,5 +1,5 @@
 """``python -m dniasync.node``: see :func:`dniasync.node.cli.main`."""
 
-from .cli import main
+from .cli import exit_now, main
 
-raise SystemExit(main())
+exit_now(main())

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Protocol
+from typing import IO, Any, BinaryIO, Final, Protocol
 
 from ..actors import ActorError, ActorSystem
 from ..chaos import PROXY_ENV, ChaosControl
@@ -51,6 +51,8 @@ PROG = "python -m dniasync.node"
 """The node's command line: how its usage errors (exit 2) start, ``PROG: error: ...``."""
 USAGE_PREFIX = f"{PROG}: "
 STARTUP_TIMEOUT_S = 120.0
+EARLY_JOIN: Final = ["--join", "-"]
+"""How the PS and worker processes started beside the coordinator join it: its address on their stdin, once known."""
 PROMETHEUS_TARGETS = "prometheus_targets.json"
 """File-based service discovery targets (every child node) written to the job's output dir."""
 
@@ -185,14 +187,15 @@ def _free_address() -> str:
         return f"127.0.0.1:{sock.getsockname()[1]}"
 
 
-async def _spawn(cluster: _Cluster, role: str, index: int, args: list[str], log: Path | None = None) -> _Child:
+async def _spawn(cluster: _Cluster, role: str, index: int, args: list[str], log: Path | None = None,
+                 stdin: int = asyncio.subprocess.DEVNULL) -> _Child:
     log = log or cluster.out / "logs" / f"{role}{index}.log"  # made by _pump
     placement = cluster.placement
     if placement is not None:
         args = [*placement.args(role, index), *args]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dniasync.node", "--role", role, *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, stdin=stdin,
         env=_child_env(), start_new_session=True,  # Ctrl-C reaches the launcher, which stops the children
         preexec_fn=_end_with_launcher if placement is None else placement.preexec(role, index),
     )
@@ -226,7 +229,7 @@ async def _pump(child: _Child, listening: asyncio.Future[str] | None, *, hold: b
                     listening.set_result(match.group(1))
         if listening is not None and not listening.done():
             code = await child.proc.wait() if hold else child.proc.returncode
-            if fh is None and code != 2:
+            if fh is None and code != 2 and held:  # (one started early that the launcher stopped said nothing)
                 fh = _open_log(child.log)
                 fh.writelines(held)
             lines = b"".join(held).decode(errors="replace").splitlines()
@@ -309,6 +312,7 @@ class _Supervisor:
                     listen: str = "", address: str = "") -> _Child:
         """Start ``role`` number ``index``; a PS behind a fault proxy when the chaos proxies are on."""
         args = list(self.join)
+        early = self.join == EARLY_JOIN
         chaos = self.cluster.chaos
         if role == "ps" and chaos is not None:
             listen = listen or _free_address()
@@ -316,10 +320,33 @@ class _Supervisor:
             args += ["--listen", listen, "--advertise", proxy.address]
         elif listen:
             args += ["--listen", listen]
-        child = await _spawn(self.cluster, role, index, args, log=log)
+        child = await _spawn(self.cluster, role, index, args, log=log,
+                             stdin=asyncio.subprocess.PIPE if early else asyncio.subprocess.DEVNULL)
         child.listen, child.address = listen, address
-        self.pumps.append(asyncio.create_task(_pump(child, None if address else self._listening_at(child))))
+        self.pumps.append(asyncio.create_task(_pump(child, None if address else self._listening_at(child),
+                                                    hold=early)))
         return child
+
+    async def joined(self, coordinator: str) -> None:
+        """The coordinator listens at ``coordinator``: those started early (``--join -``) are told, and those
+        started from now on join it."""
+        self.join = ["--join", coordinator]
+        for child in self.cluster.children:
+            stdin = child.proc.stdin
+            if child.role in ("ps", "worker") and stdin is not None:
+                try:
+                    stdin.write(f"{coordinator}\n".encode())
+                    await stdin.drain()
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # it died while starting: check() starts it again, joining coordinator
+                finally:
+                    stdin.close()
+
+    def give_up(self) -> None:
+        """The coordinator never listened: those started early read the end of their input and exit."""
+        for child in self.cluster.children:
+            if child.role in ("ps", "worker") and child.proc.stdin is not None:
+                child.proc.stdin.close()
 
     async def check(self, status: JobStatusReply | None) -> str | None:
         """Restart what died (and replicas the job declared dead); an error naming a process that keeps failing."""
@@ -439,9 +466,20 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool, pla
                                                                *(["--resume"] if resume else [])])
         listening: asyncio.Future[str] = loop.create_future()
         pumps.append(asyncio.create_task(_pump(coordinator, listening, hold=True)))
+        mode = get_mode(config.mode)
+        n_ps, n_workers = mode.processes(config)
+        # on loopback the PS and worker processes start now, beside the coordinator (each import of torch takes
+        # seconds: the coordinator's, checking the job, and a worker's overlap), and read its address once it listens
+        supervisor = _Supervisor(cluster, config, EARLY_JOIN if placement is None else [], out, pumps)
+        if placement is None:
+            for i in range(n_ps):
+                await supervisor.start("ps", i)
+            for i in range(n_workers):
+                await supervisor.start("worker", i)
         try:
             coordinator.address = await asyncio.wait_for(listening, STARTUP_TIMEOUT_S)
         except ChildExited as exited:  # its own error (a --resume with no checkpoint, a bad key) is the one to show
+            supervisor.give_up()
             code, lines = exited.code, [line for line in exited.lines if line.strip()]
             # its own "error: ..." lines, or the command line's (a job config it refuses, naming the key)
             said = [line.removeprefix(USAGE_PREFIX) for line in lines if line.startswith(("error:", USAGE_PREFIX))]
@@ -457,13 +495,14 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool, pla
         standbys = _Standbys(cluster, config_path, pumps) if config.job.standby else None
         if standbys is not None:
             await standbys.start(coordinator.address)
-        mode = get_mode(config.mode)
-        n_ps, n_workers = mode.processes(config)
-        supervisor = _Supervisor(cluster, config, ["--join", coordinator.address], out, pumps)
-        for i in range(n_ps):
-            await supervisor.start("ps", i)
-        for i in range(n_workers):
-            await supervisor.start("worker", i)
+        if placement is None:
+            await supervisor.joined(coordinator.address)
+        else:
+            supervisor.join = ["--join", coordinator.address]
+            for i in range(n_ps):
+                await supervisor.start("ps", i)
+            for i in range(n_workers):
+                await supervisor.start("worker", i)
         cluster.write_files(config.job.name)
         print(f"{config.job.name}: coordinator on {coordinator.address}, {n_ps} PS shard(s), "
               f"{n_workers} {mode.worker_kind}(s); "

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import tomllib
-from typing import Any
+from typing import Any, NoReturn
 
 from aiohttp import web
 
@@ -109,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="address to serve on (default 127.0.0.1:0, an ephemeral port; the real one is printed). "
         "A non-loopback host requires --token-file",
     )
-    parser.add_argument("--join", metavar="HOST:PORT", help="the coordinator's address (required except for it)")
+    parser.add_argument("--join", metavar="HOST:PORT",
+                        help="the coordinator's address (required except for it); '-': read it from stdin once "
+                             "the coordinator listens (the local launcher starts nodes beside it)")
     parser.add_argument(
         "--advertise", metavar="HOST:PORT", help="address other nodes reach this one at (default: --listen)"
     )
@@ -437,6 +439,36 @@ def _emulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return run_emulated(args.config, spec, resume=args.resume, detect_s=detect_s)
 
 
+def exit_now(status: int) -> NoReturn:
+    """Leave with ``status`` once what an ordinary exit does for others is done: threads that are not daemons
+    end (a thread pool's idle workers are told to), atexit handlers run (logging flushes its files), stdout and
+    stderr flush. The interpreter's teardown, freeing every object one by one, is skipped: the system frees the
+    memory at once. (For a node that imported torch it took 1.4-2 s after its last handler had run, and a
+    launcher waits for its nodes at the end of every job: measured 2.0 s against 0.1 s for a 3-stage job.)"""
+    import atexit
+    import threading
+
+    shutdown = getattr(threading, "_shutdown", None)  # what the interpreter calls first as it exits
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe, a closed stream: nothing more to say anyway
+            pass
+    os._exit(status)
+
+
+def _join_from_stdin(role: str | None) -> str | None:
+    """``--join -``: the coordinator's address, one line on stdin (``None`` at its end). A worker imports what
+    its roles train with meanwhile: seconds of start-up that overlap the coordinator's."""
+    if role == "worker":
+        from ..train import replica  # noqa: F401  (torch)
+    line = sys.stdin.readline().strip()
+    return line or None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m dniasync.node``; returns the exit status."""
     parser = build_parser()
@@ -456,6 +488,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=(args.log_level or "error").upper(), stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return run_local(args.config, resume=args.resume)
+    if args.join == "-":
+        args.join = _join_from_stdin(args.role)
+        if args.join is None:
+            return 0  # the launcher gave up on the job (its coordinator refused the config): nothing to do
     auto: AutoStart | None = None
     try:
         if args.role == "auto":
