@@ -113,6 +113,17 @@ class _Child:
     """``ps0``, ``worker1``: what a restarted process replaces; its restarts are counted under it."""
     listen: str = ""
     """The address the process binds when it differs from ``address`` (behind a fault proxy)."""
+    held: list[bytes] = field(default_factory=list)
+    """What it said while its output is held (see :func:`_pump`)."""
+    fh: BinaryIO | None = None
+    """Its log file, once open."""
+
+    def open_log(self) -> None:
+        """Open the log file (with what was held) if it is not open yet."""
+        if self.fh is None:
+            self.fh = _open_log(self.log)
+            self.fh.writelines(self.held)
+            self.fh.flush()
 
 
 @dataclass
@@ -207,36 +218,33 @@ async def _spawn(cluster: _Cluster, role: str, index: int, args: list[str], log:
 async def _pump(child: _Child, listening: asyncio.Future[str] | None, *, hold: bool = False) -> None:
     """Copy a child's output to its log file; resolve ``listening`` with its address.
 
-    ``hold``: keep the output until the child listens, so one that exits 2 first (the coordinator refusing its
-    job config) writes no log file over an earlier run's; the launcher shows what it said."""
+    ``hold``: keep the output until the child listens (or :meth:`_Child.open_log`), so one that exits 2 first
+    (the coordinator refusing its job config) writes no log file over an earlier run's; the launcher shows what
+    it said."""
     assert child.proc.stdout is not None
-    held: list[bytes] = []  # until it listens: what the launcher shows if it exits first
-    fh = None if hold else _open_log(child.log)
+    if not hold:
+        child.open_log()
     try:
         async for line in child.proc.stdout:
             if listening is not None and not listening.done():
-                held.append(line)
-            if fh is not None:
-                fh.write(line)
-                fh.flush()
+                child.held.append(line)  # until it listens: what the launcher shows if it exits first
+            if child.fh is not None:
+                child.fh.write(line)
+                child.fh.flush()
             if listening is not None and not listening.done():
                 match = _LISTENING.search(line.decode(errors="replace"))
                 if match:
-                    if fh is None:
-                        fh = _open_log(child.log)
-                        fh.writelines(held)
-                        fh.flush()
+                    child.open_log()
                     listening.set_result(match.group(1))
         if listening is not None and not listening.done():
             code = await child.proc.wait() if hold else child.proc.returncode
-            if fh is None and code != 2 and held:  # (one started early that the launcher stopped said nothing)
-                fh = _open_log(child.log)
-                fh.writelines(held)
-            lines = b"".join(held).decode(errors="replace").splitlines()
+            if code != 2 and child.held:  # (one started early that the launcher stopped said nothing)
+                child.open_log()
+            lines = b"".join(child.held).decode(errors="replace").splitlines()
             listening.set_exception(ChildExited(f"{child.role} exited ({code}) before listening", code, lines))
     finally:
-        if fh is not None:
-            fh.close()
+        if child.fh is not None:
+            child.fh.close()
 
 
 def _open_log(path: Path) -> BinaryIO:
@@ -334,6 +342,7 @@ class _Supervisor:
         for child in self.cluster.children:
             stdin = child.proc.stdin
             if child.role in ("ps", "worker") and stdin is not None:
+                child.open_log()  # the job runs: each process the cluster's files list has its log
                 try:
                     stdin.write(f"{coordinator}\n".encode())
                     await stdin.drain()
