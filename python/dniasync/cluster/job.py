@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -455,7 +456,9 @@ class JobRunner(Actor):
         if self._deferred:
             log.info("training done: scoring %d deferred evaluations", len(self._deferred))
             while self._deferred:
-                await self._score(self._deferred.popleft())
+                snapshot = self._deferred.popleft()
+                snapshot.threads = os.cpu_count() or 1  # nothing trains beside them now
+                await self._score(snapshot)
         async with asyncio.timeout(self.config.eval.timeout_s):  # the mode's figures travel as the weights do
             await self.job.record(self.report)
 

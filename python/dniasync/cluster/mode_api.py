@@ -50,6 +50,9 @@ class Snapshot:
     weights: Any
     wall: float = 0.0
     samples: int = 0
+    threads: int = 1
+    """The torch threads that may score it: one while training runs beside it; every core for the ones
+    ``eval.deferred`` kept, scored after training."""
 
 
 Hoster = Callable[["Host", Any], Awaitable[list["ActorRef"]]]

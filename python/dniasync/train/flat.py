@@ -78,15 +78,24 @@ class FlatModel:
         return float(torch.linalg.vector_norm(self.grad))
 
 
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 1000) -> tuple[float, float]:
-    """Held-out (accuracy, mean cross-entropy) of ``model`` on ``x``, ``y``."""
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 1000,
+             threads: int | None = None) -> tuple[float, float]:
+    """Held-out (accuracy, mean cross-entropy) of ``model`` on ``x``, ``y``; ``threads``: the torch threads
+    to use meanwhile (set in the calling thread, restored after), None: as they are."""
     correct, loss_sum = 0, 0.0
     was_training = model.training
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     model.eval()
-    with torch.no_grad():
-        for i in range(0, len(x), batch):
-            out = model(x[i:i + batch])
-            loss_sum += float(F.cross_entropy(out, y[i:i + batch], reduction="sum"))
-            correct += int((out.argmax(dim=1) == y[i:i + batch]).sum())
-    model.train(was_training)
+    try:
+        with torch.no_grad():
+            for i in range(0, len(x), batch):
+                out = model(x[i:i + batch])
+                loss_sum += float(F.cross_entropy(out, y[i:i + batch], reduction="sum"))
+                correct += int((out.argmax(dim=1) == y[i:i + batch]).sum())
+    finally:
+        model.train(was_training)
+        if threads is not None:
+            torch.set_num_threads(before)
     return correct / len(x), loss_sum / len(x)

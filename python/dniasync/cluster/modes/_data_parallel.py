@@ -334,7 +334,8 @@ class DataParallelJob:
         from ...train.flat import evaluate
 
         np.copyto(self.eval_buffer, snapshot.weights)
-        return await self.runner.run_blocking(evaluate, self.eval_flat.model, self.x_test, self.y_test)
+        return await self.runner.run_blocking(evaluate, self.eval_flat.model, self.x_test, self.y_test,
+                                             threads=snapshot.threads)
 
     # -- ending -----------------------------------------------------------------------
     async def stop(self, reason: str) -> None:

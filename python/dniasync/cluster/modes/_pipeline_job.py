@@ -705,7 +705,8 @@ class PipelineJob:
         from ...train.flat import evaluate
 
         await self.runner.run_blocking(self._load, snapshot.weights)
-        return await self.runner.run_blocking(evaluate, self.eval_model, self.x_test, self.y_test)
+        return await self.runner.run_blocking(evaluate, self.eval_model, self.x_test, self.y_test,
+                                             threads=snapshot.threads)
 
     def _load(self, weights: list[dict[str, torch.Tensor]] | dict[int, np.ndarray]) -> None:
         import torch

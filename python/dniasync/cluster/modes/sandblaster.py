@@ -258,7 +258,8 @@ class _SandblasterJob:
         from ...train.flat import evaluate
 
         np.copyto(self.eval_buffer, snapshot.weights.astype(np.float32))
-        return await self.runner.run_blocking(evaluate, self.eval_flat.model, self.x_test, self.y_test)
+        return await self.runner.run_blocking(evaluate, self.eval_flat.model, self.x_test, self.y_test,
+                                             threads=snapshot.threads)
 
     async def stop(self, reason: str) -> None:
         self.board.stopping = True
