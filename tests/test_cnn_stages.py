@@ -55,6 +55,9 @@ class _Nowhere:
     def tell_nowait(self, msg: Any) -> None:
         raise AssertionError("not sent")
 
+    def unsent_bytes(self) -> int:
+        return 0
+
 
 def _wire(msg: Any) -> Any:
     """``msg`` through the remote codec: encoded into websocket messages (small parts: streamed), decoded."""

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from torch import nn
 
 from _jobs import run_job, summary, write_job
 from dniasync import Actor, ActorSystem
+from dniasync.remote import RemoteSettings, WebSocketTransport
 from dniasync.train.specs import OptimizerSpec, P2PSpec
 from dniasync.train.sync import SyncContext
 from dniasync.train.sync.p2p import P2PSync, Peers, Update
@@ -201,6 +202,51 @@ async def test_duplicates_are_applied_once() -> None:
         b.on_update(Update(a.origin, seq, codec, payload, a.me))
         np.testing.assert_array_equal(b.w, before)
         assert b.counters.duplicate == 1
+
+
+async def test_a_busy_link_holds_the_next_update_and_the_one_after_carries_both_steps() -> None:
+    """Flow control: while an update still waits for the wire to a peer, the next step's change is not coded; the
+    update after carries it. Two peers on two nodes over a real socket (no shared-memory ring), a model big enough
+    that one update (a million coded elements, 4 MB, far above ``max_unsent_bytes``) waits in the connection's
+    outbox until the event loop runs."""
+    async with AsyncExitStack() as stack:
+        syncs: list[P2PSync] = []
+        for i in range(2):
+            system = await stack.enter_async_context(ActorSystem())
+            await stack.enter_async_context(WebSocketTransport(system, settings=RemoteSettings(shm=False)))
+            found: dict[str, Actor] = {}
+            await system.spawn(_Trainer, found, name=f"trainer-{i}")
+            spec = P2PSpec([], codec="threshold", tau=1e-9, tick_s=0.05)  # every element crosses tau
+            torch.manual_seed(0)  # the same initial weights on both
+            ctx = SyncContext(f"trainer-{i}", 100 + i, OPTIMIZER, actor=found[f"trainer-{i}"])
+            sync = P2PSync(spec, nn.Sequential(nn.Linear(1024, 1024)), ctx)
+            await sync.ready()
+            syncs.append(sync)
+            stack.push_async_callback(sync.close)
+        a, b = syncs
+        assert a.inbox is not None and b.inbox is not None and a.inbox.node != b.inbox.node
+        a.on_peers(Peers(1, [a.inbox, a.ctx.actor.system.ref(b.inbox.address)]))  # type: ignore[union-attr]
+        b.on_peers(Peers(1, [b.ctx.actor.system.ref(a.inbox.address), b.inbox]))  # type: ignore[union-attr]
+        x = torch.randn(8, 1024)
+
+        def step() -> None:
+            a.zero_grad()
+            a.flat.model(x).square().mean().backward()  # type: ignore[no-untyped-call]
+            a.step()
+
+        step()
+        await a.sync(8)  # update 1 goes into the outbox to b; nothing yields to the loop until the asserts below
+        step()
+        assert a.counters.held == 1 and not a._coded and a.seq == 1, "the link still carries update 1"
+        async with asyncio.timeout(30):  # until update 1 has reached b (small ledger ticks may still be on the way)
+            while a._refs[b.me].unsent_bytes() > a.spec.max_unsent_bytes:
+                await asyncio.sleep(0.01)
+        step()
+        assert a.counters.held == 1 and len(a._coded) == 1  # the link is free: update 2 carries steps 2 and 3
+        await a.sync(8)
+        await _settle([a, b], timeout=30)
+        assert b.counters.received == 2 and a.seq == 2
+        np.testing.assert_allclose(b.w, a.w, atol=1e-6)  # the same two updates, whatever the link did
 
 
 # -- real peers through the launcher -------------------------------------------------------------------------
@@ -386,15 +432,17 @@ def test_local_steps_with_the_default_outer_step_keep_the_accuracy_with_a_quarte
         peers = _peer_names(doc)
         assert len(peers) == 4
         _assert_ledgers_complete(doc, peers)
-        # a peer sends an update every H steps of its own (a count, however the steps were spread over the peers;
-        # the last H - 1 steps of each may be unsent)
+        # a peer codes an update after H steps of its own, or later when flow control held it (a link still busy):
+        # each update covers H steps and the ones held, the last fewer than H may be unsent (a count, however the
+        # steps were spread over the peers and whatever the links did)
         for p in peers:
-            sent, steps = m[f"p2p/{p}/sent"], m[f"p2p/{p}/steps"]
-            assert steps // h - 1 <= sent <= steps // h, (h, p, sent, steps)
-        sent, steps = (sum(m[f"p2p/{p}/{key}"] for p in peers) for key in ("sent", "steps"))
+            sent, steps, held = m[f"p2p/{p}/sent"], m[f"p2p/{p}/steps"], m[f"p2p/{p}/held"]
+            assert steps - held - h < sent * h <= steps - held, (h, p, sent, steps, held)
+        sent, steps, held = (sum(m[f"p2p/{p}/{key}"] for p in peers) for key in ("sent", "steps", "held"))
         assert steps >= LOCAL_STEPS_EPOCHS * 4000 / 32, (h, steps)  # every epoch was trained, with both H
-        per_step[h] = sent / steps
-    # updates per step (per batch of 32 samples: both jobs run somewhat past their last epoch, by different amounts)
+        per_step[h] = sent / (steps - held)
+    # updates per step not held (per batch of 32 samples: both jobs run somewhat past their last epoch, by different
+    # amounts)
     assert per_step[1] == 1.0 and 0.24 <= per_step[4] <= 0.25, per_step
 
 

@@ -50,6 +50,9 @@ class _Nowhere:
     def tell_nowait(self, msg: Any) -> None:
         raise AssertionError("not sent in codec tests")
 
+    def unsent_bytes(self) -> int:
+        return 0
+
 
 def resolve(address: str) -> ActorRef:
     return ActorRef(address, _Nowhere())

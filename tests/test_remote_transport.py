@@ -231,3 +231,24 @@ async def test_refs_to_malformed_nodes_are_refused() -> None:
         for address in ("x@nohost", "x@evil.example/path:80", "x@host:99999", "x@a b:1"):
             with pytest.raises(ValueError):
                 a.system.ref(address)
+
+
+async def test_unsent_bytes_count_what_is_on_its_way_and_fall_to_zero_once_the_peer_took_it() -> None:
+    async with two_nodes(shm=False) as (a, b):  # through the socket: no shared-memory ring takes the payloads
+        await b.system.spawn(Recorder, name="rec")
+        rec = a.system.ref(f"rec@{b.address}")
+        await rec.ask(Read(), timeout=10)  # connected
+        big = np.ones(1 << 20, dtype=np.float32)  # 4 MB: streamed in parts by the connection's send loop
+        for seq in range(3):
+            rec.tell_nowait(Note(seq, big))
+        # nothing can have been written yet: this coroutine has not yielded since
+        assert rec.unsent_bytes() >= 3 * big.nbytes
+        assert await rec.ask(Read(), timeout=10) == [0, 1, 2]
+        async with asyncio.timeout(10):  # taken and acknowledged: the kernel's queue empties too
+            while rec.unsent_bytes():
+                await asyncio.sleep(0.01)
+        local = await a.system.spawn(Recorder, name="here")
+        local.tell_nowait(Note(0))
+        assert local.unsent_bytes() == 0  # a local actor's messages go straight to its mailbox
+        nowhere = a.system.ref(f"rec@{b.address.rsplit(':', 1)[0]}:1")  # a node never sent to
+        assert nowhere.unsent_bytes() == 0

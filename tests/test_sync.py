@@ -240,6 +240,9 @@ class DeadShard:
     def tell_nowait(self, msg: Any) -> None:
         raise AssertionError("the link never uses tell_nowait")
 
+    def unsent_bytes(self) -> int:
+        return 0
+
 
 async def test_dead_shard_is_retried_with_backoff_and_its_warnings_collapsed(caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]

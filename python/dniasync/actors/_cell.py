@@ -110,6 +110,9 @@ class ActorCell(Supervisor):
     def alive(self) -> bool:
         return self.state is STARTING or self.state is RUNNING
 
+    def unsent_bytes(self) -> int:
+        return 0  # a local actor's messages go straight to its mailbox
+
     def tell_nowait(self, msg: Any) -> None:
         if self.state is STOPPING or self.state is STOPPED:
             raise ActorStopped(self.address)

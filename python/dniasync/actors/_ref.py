@@ -27,6 +27,8 @@ class Destination(Protocol):
 
     def tell_nowait(self, msg: Any) -> None: ...
 
+    def unsent_bytes(self) -> int: ...
+
 
 class Transport(Protocol):
     """Resolves addresses on other nodes; plugged into an ``ActorSystem``."""
@@ -87,6 +89,16 @@ class ActorRef:
     def tell_nowait(self, msg: Any) -> None:
         """Send ``msg`` now or raise ``MailboxFull``; never waits."""
         self._dest.tell_nowait(msg)
+
+    def unsent_bytes(self) -> int:
+        """Bytes sent to this actor's node that have not reached it yet (0 for a local actor).
+
+        Flow control for a sender that must not wait: the messages still queued for the connection, what the
+        event loop's transport and the kernel hold of it (sent but not yet acknowledged by the peer). A figure
+        that stays high means the link, or the node at its end, takes messages slower than they are sent.
+        Cheap (one system call), and safe to read from any thread.
+        """
+        return self._dest.unsent_bytes()
 
     def ask(self, msg: Any, timeout: float | None = DEFAULT_ASK_TIMEOUT) -> Coroutine[Any, Any, Any]:
         """Send ``msg`` and wait for the handler's return value.

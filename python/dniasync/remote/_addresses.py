@@ -49,3 +49,6 @@ class DeadDestination:
 
     def tell_nowait(self, msg: Any) -> None:
         raise ActorStopped(self.address)
+
+    def unsent_bytes(self) -> int:
+        return 0

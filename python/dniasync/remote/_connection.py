@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import itertools
 import logging
+import sys
+import termios
 from collections import deque
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
@@ -30,6 +33,8 @@ WebSocket = web.WebSocketResponse | aiohttp.ClientWebSocketResponse
 _PING = encode(OP_PING, "", 0, None)
 _PING_STARTING = encode(OP_PING, "starting", 0, None)
 """The heartbeat of a node still starting up: its peers allow it ``startup_grace_s`` of silence."""
+_SIOCOUTQ: int | None = getattr(termios, "TIOCOUTQ", None) if sys.platform.startswith("linux") else None
+"""ioctl: the bytes in a socket's send queue not yet acknowledged by the peer (Linux's SIOCOUTQ = TIOCOUTQ)."""
 
 
 class Connection:
@@ -70,6 +75,10 @@ class Connection:
         self._kick = asyncio.Event()
         self._rx_pause = False
         self._rx_error: str | None = None
+        # the socket under the websocket, for unsent_bytes (aiohttp keeps its transport on the frame writer)
+        self._socket_transport: asyncio.Transport | None = getattr(getattr(ws, "_writer", None), "transport", None)
+        sock = self._socket_transport.get_extra_info("socket") if self._socket_transport is not None else None
+        self._fd: int | None = sock.fileno() if sock is not None else None
         self.sender: asyncio.Task[None] = transport.spawn_task(self._send_loop(), f"ws-send:{peer.node}")
         if transport.settings.shm and _shm.available():
             self._offer_ring()
@@ -181,6 +190,26 @@ class Connection:
     def _ring_has_room(self, frame: Encoded) -> bool:
         ring = self.ring
         return self._ring_fits(frame) and ring is not None and ring.has_room(frame.payload_len)
+
+    def unsent_bytes(self) -> int:
+        """Bytes written to this connection that the peer has not taken yet: the payloads in the outbox (the
+        frame being written included), the event loop transport's buffer, and the kernel's send queue (sent
+        but not acknowledged: ``SIOCOUTQ``, Linux; 0 where it cannot be read). Any thread may call it."""
+        queued = sum(frame.payload_len for _, frame in list(self.outbox))
+        transport = self._socket_transport
+        if transport is None:
+            return queued
+        try:
+            queued += transport.get_write_buffer_size()
+        except (AttributeError, RuntimeError):
+            pass
+        if self._fd is not None and _SIOCOUTQ is not None:
+            try:
+                out = fcntl.ioctl(self._fd, _SIOCOUTQ, b"\0\0\0\0")
+                queued += int.from_bytes(out, sys.byteorder, signed=True)
+            except OSError:
+                pass  # closed meanwhile
+        return queued
 
     async def drained(self) -> None:
         """Wait until a write that hit backpressure has been flushed."""

@@ -163,6 +163,17 @@ class RemoteDestination:
     def alive(self) -> bool:
         return self.transport.peer(self.node).state != DOWN
 
+    def unsent_bytes(self) -> int:
+        """Bytes to this node not yet taken by it: its connection's (:meth:`Connection.unsent_bytes`), or the
+        payloads waiting for the first connection."""
+        peer = self.transport.known_peer(self.node)
+        if peer is None:
+            return 0
+        conn = peer.conn
+        if conn is None:
+            return sum(frame.payload_len for _, frame in peer.backlog)
+        return conn.unsent_bytes()
+
     async def ask(self, msg: Any, timeout: float | None) -> Any:
         corr = next(_corr_ids)
         frame = encode(OP_ASK, self.name, corr, msg)

@@ -221,6 +221,10 @@ class WebSocketTransport:
             peer = self._peers[node] = Peer(self, node)
         return peer
 
+    def known_peer(self, node: str) -> Peer | None:
+        """The peer ``node`` if this node has ever sent to it or heard from it (never creates one)."""
+        return self._peers.get(node)
+
     def peer_states(self) -> dict[str, str]:
         """node -> "new" | "up" | "down" for every node this one knows."""
         return {node: peer.state for node, peer in self._peers.items()}

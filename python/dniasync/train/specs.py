@@ -255,6 +255,10 @@ class P2PSpec:
     """How often a peer tells the others its sent count, checks its ledger and repairs it."""
     silent_s: float = 2.0
     """No updates are sent to a peer nothing was heard from for this long."""
+    max_unsent_bytes: int = 256 << 10
+    """Flow control: an update is coded only while no live peer it goes to has more than this many bytes from this
+    one still on the way (queued, buffered, or sent and not yet acknowledged); else the change waits for a later
+    update. (A quarter of a second of a 10 Mbit/s link.)"""
     keep_bytes: int = 32 << 20
     """Payload bytes of its own latest updates a peer keeps, to resend them and to re-apply them after a dense copy."""
 

@@ -122,7 +122,8 @@ P2P_BYTES = FAMILIES.counter(
 P2P_UPDATES = FAMILIES.counter(
     "dniasync_p2p_updates_total",
     "Peer-to-peer updates: own sent (sent), forwarded for others (forwarded), received new (received), "
-    "received again (duplicate), applied to the shared copy (applied), not sent to a silent or full peer (skipped).",
+    "received again (duplicate), applied to the shared copy (applied), not sent to a silent or full peer (skipped); "
+    "steps whose change waited for a later update while a link was busy (held: flow control).",
     "event")
 P2P_DENSE = FAMILIES.counter("dniasync_p2p_dense_copies_total",
                              "Dense copies of the shared weights a peer took from a neighbour or gave one (role).",

@@ -249,7 +249,7 @@ class _P2PJob(DataParallelJob):
         for name, s in stats.items():
             report.set_metric(f"p2p/{name}/sent", int(s["sent"]))
             report.set_metric(f"p2p/{name}/steps", int(s["steps"]))
-            for counter in ("dense_taken", "dense_given", "received", "duplicate", "forwarded", "skipped",
+            for counter in ("dense_taken", "dense_given", "received", "duplicate", "forwarded", "skipped", "held",
                             "resends_asked", "resent", "lost_own"):
                 report.set_metric(f"p2p/{name}/{counter}", int(s["counters"][counter]))
             for origin, count in s["ledger"].items():

@@ -170,6 +170,10 @@ class ChainRoute:
     def tell_nowait(self, msg: Any) -> None:
         raise TypeError("a push to a chain waits for its acknowledgement: use tell")
 
+    def unsent_bytes(self) -> int:
+        """What is on its way to the chain's head."""
+        return self.view.chain[0].unsent_bytes()
+
 
 def _catching_up(exc: ActorError) -> bool:
     """Whether a remote copy refused a pull because it is still taking its state."""

@@ -25,9 +25,11 @@ ledger repairs what a changing membership, a lost message or a slow peer left
 out:
 
 - every ``tick_s`` each peer tells every other how many updates it has sent
-  (:class:`Ledger`); an update of a live origin missing from a ledger for two
-  ticks is asked for again from its origin (:class:`Resend`; an origin keeps
-  its latest updates, ``keep_bytes`` of them);
+  (:class:`Ledger`; as of the last tick its link to that peer was idle, so an
+  update still on its way is not announced yet); an update of a live origin
+  missing from a ledger for two ticks is asked for again from its origin
+  (:class:`Resend`; an origin keeps its latest updates, ``keep_bytes`` of
+  them);
 - a peer missing more than ``max_lag`` updates (frozen, cut off, late),
   or still missing one after three resends, takes a dense copy of the shared
   weights, with their ledger, from the origin it misses most of (whose copy
@@ -35,7 +37,15 @@ out:
   updates the copy lacks, and goes on;
 - a peer never waits for another: sends are ``tell_nowait`` (a full outbox
   drops the update, counted), and nothing is sent to a peer silent for
-  ``silent_s`` (it catches up through its ledger once back).
+  ``silent_s`` (it catches up through its ledger once back);
+- flow control: a peer codes its next update only while no live peer it
+  sends to has more than ``max_unsent_bytes`` from it still on the way
+  (:meth:`~dniasync.actors.ActorRef.unsent_bytes`: queued, buffered, or in
+  the kernel and not yet acknowledged); until then it trains on, and the
+  next update carries the change of every step since (what one threshold
+  update cannot carry stays in the codec's residual). On a link slower than
+  the peer computes, updates grow further apart instead of queueing without
+  bound, and the ledgers and replies behind them stay timely.
 
 A joining peer (``P2PSpec.warm``) takes a dense copy before its first step.
 The membership is the job runner's (:class:`Peers`), plus any peer heard
@@ -249,7 +259,7 @@ def _collect(system: ActorSystem, syncs: Sequence[P2PSync]) -> Iterator[Metric]:
         c = sync.counters
         add_sample(families[P2P_BYTES], ["sent"], c.bytes_sent)
         add_sample(families[P2P_BYTES], ["received"], c.bytes_received)
-        for event in ("sent", "forwarded", "received", "duplicate", "applied", "skipped"):
+        for event in ("sent", "forwarded", "received", "duplicate", "applied", "skipped", "held"):
             add_sample(families[P2P_UPDATES], [event], getattr(c, event))
         add_sample(families[P2P_DENSE], ["taken"], c.dense_taken)
         add_sample(families[P2P_DENSE], ["given"], c.dense_given)
@@ -270,6 +280,8 @@ class _Counters:
     duplicate: int = 0
     applied: int = 0
     skipped: int = 0
+    held: int = 0
+    """Steps whose change waited for a later update: a link was still busy with earlier ones (flow control)."""
     resends_asked: int = 0
     resent: int = 0
     dense_taken: int = 0
@@ -333,6 +345,9 @@ class P2PSync:
         self.heard: dict[str, float] = {}
         self.announced: dict[str, int] = {}
         """origin -> the sent count its last :class:`Ledger` announced."""
+        self._left: dict[str, int] = {}
+        """peer address -> this peer's sent count when its link to that peer was last found idle (what a
+        :class:`Ledger` to it announces)."""
         self._asked: dict[tuple[str, int], int] = {}
         """(origin, seq) -> resends asked for it so far."""
         self._missing_before: set[tuple[str, int]] = set()
@@ -365,12 +380,27 @@ class P2PSync:
         self.steps += 1
         self.inner += 1
         if self.inner >= self.spec.local_steps:
+            if self._links_busy():
+                self.counters.held += 1  # the next update carries this step's change too
+                return
             self.inner = 0
             change = self.store.view(P2P_SEGMENT) - self.base
             self._coded.append(self.codec.compress(change))  # the residual stays in the codec
 
+    def _links_busy(self) -> bool:
+        """Worker thread: a live peer this one sends its updates to has more than ``max_unsent_bytes`` from it
+        still on the way. (Peers silent for ``silent_s`` are not sent to, so they hold nothing back.)"""
+        now = self.ctx.clock()
+        refs = self._refs
+        for address in self._targets(self.me):
+            ref = refs.get(address)
+            if ref is not None and now - self.heard.get(address, now) <= self.spec.silent_s \
+                    and ref.unsent_bytes() > self.spec.max_unsent_bytes:
+                return True
+        return False
+
     def steps_per_call(self, steps: int) -> int:
-        return self.spec.local_steps - self.inner
+        return max(1, self.spec.local_steps - self.inner)
 
     async def ready(self) -> None:
         if not self._started:
@@ -417,6 +447,9 @@ class P2PSync:
         return self.lr * self.scale
 
     async def flush(self) -> None:
+        if self.inner >= self.spec.local_steps:  # steps flow control held back: their change goes now
+            self.inner = 0
+            self._coded.append(self.codec.compress(self.store.view(P2P_SEGMENT) - self.base))
         await self.sync(0)
 
     def relinked(self, layers: nn.Module) -> WeightSync:
@@ -437,7 +470,8 @@ class P2PSync:
     def stats(self) -> SyncStats:
         c = self.counters
         extra = {"updates_received": c.received, "updates_applied": c.applied, "updates_forwarded": c.forwarded,
-                 "updates_skipped": c.skipped, "dense_copies": c.dense_taken, "lag": self.lag()}
+                 "updates_skipped": c.skipped, "updates_held": c.held,
+                 "dense_copies": c.dense_taken, "lag": self.lag()}
         return SyncStats(
             bytes_pushed=c.bytes_sent, bytes_pulled=c.bytes_received, dense_bytes_pushed=c.dense_bytes_sent,
             pushes=c.sent, pulls=c.dense_taken, extra={k: v for k, v in extra.items() if v},
@@ -586,8 +620,10 @@ class P2PSync:
         got.high = max(got.high, msg.sent)
 
     def on_resend(self, msg: Resend) -> None:
-        kept = {seq: (codec, payload) for seq, codec, payload in self._own}
         self._heard_from(msg.requester.address)
+        if msg.requester.unsent_bytes() > self.spec.max_unsent_bytes:
+            return  # the link is still busy, likely with what is asked for: asked again next tick if still missing
+        kept = {seq: (codec, payload) for seq, codec, payload in self._own}
         for seq in msg.seqs:
             if seq in kept:
                 codec, payload = kept[seq]
@@ -669,9 +705,12 @@ class P2PSync:
     async def tick(self) -> None:
         if self._closed or self.inbox is None:
             return
-        announce = Ledger(self.origin, self.seq)
-        for ref in self._refs.values():
-            self._tell(ref, announce)
+        for address, ref in self._refs.items():
+            # announce to a peer only the updates that have left for it: on a slow link a Ledger overtakes the
+            # update it counts, and the peer would ask again for what is only still on its way
+            if ref.unsent_bytes() <= self.spec.max_unsent_bytes:
+                self._left[address] = self.seq
+            self._tell(ref, Ledger(self.origin, self._left.get(address, 0)))
         missing = {(o, s) for o, r in self.ledger.items() if self._alive_origin(o) and o != self.origin
                    for s in r.missing()}
         now = self.ctx.clock()
