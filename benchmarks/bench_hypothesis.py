@@ -71,9 +71,11 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "runs" / "bench_hypothesis"
 TARGETS = (0.90, 0.92)
 ADAGRAD = (0.01, 0.02, 0.05)
-EVAL_COST_S = 0.09
-"""About what scoring one snapshot of the MLP on the 1,000 held-out rows costs after training (2 threads), for
-the expected wall time."""
+EVAL_EVERY_S = 0.25
+"""Held-out accuracy is taken this often; no method is charged for it: the torch baselines pause their clock
+while they evaluate, dniasync jobs take the weights then and score them after training (``eval.deferred``),
+so no evaluation competes with training for the 2 cores. Runs therefore go to their stop rule's epochs or
+seconds, not to the target."""
 MODELS: dict[str, dict[str, Any]] = {
     "mlp": {"factory": "dniasync.train.models:mlp",
             "kwargs": {"sizes": [784, 1024, 1024, 1024, 1024, 10], "activation": "relu"}},
@@ -135,67 +137,28 @@ CELLS_QUICK: dict[int, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True)
-class Budget:
-    """How a cell's runs stop and how often their held-out accuracy is taken."""
-
-    max_epochs: int
-    max_seconds: float
-    eval_every_s: float
-    """No method is charged for evaluations: the torch baselines pause their clock while they evaluate, dniasync
-    jobs take the weights then and score them after training (``eval.deferred``), so no evaluation competes with
-    training for the 2 cores. Runs therefore go to their stop rule's epochs or seconds, not to the target."""
-
-
-@dataclass(frozen=True)
 class Setup:
     models: tuple[str, ...]
     cells: dict[int, tuple[str, ...]]
     seeds: int
-    budgets: dict[int, Budget]
-    """Per worker count."""
+    max_epochs: int
+    max_seconds: float
     grid: int | None
     """Grid points per method (None: every one); the quick run takes the middle one only."""
-    centres: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Cell -> label -> the lr its grid is centred on (the grid's shape kept); a label not named keeps its grid."""
 
 
-CENTRES: dict[str, dict[str, float]] = {
-    "mlp_2w": {"downpour": 0.02, "downpour:inverse": 0.0125, "downpour:local": 0.0025, "downpour:shm": 0.005,
-               "pipeline:dni": 0.0003, "pipeline:cdni": 0.0003, "pipeline:spectrain": 0.02, "p2p": 0.00333,
-               "hogwild": 0.01, "torch:1thread": 0.02, "torch:all-cores": 0.0025},
-    "mlp_4w": {"downpour": 0.02, "downpour:inverse": 0.0125, "pipeline:dni+ps": 0.0001, "pipeline:cdni+ps": 0.0003,
-               "pipeline:spectrain+ps": 0.02},
-    "cnn_2w": {"downpour": 0.0025, "downpour:inverse": 0.025, "downpour:local": 0.02, "downpour:shm": 0.01,
-               "pipeline:dni": 0.001, "pipeline:cdni": 0.00333, "pipeline:spectrain": 0.005, "p2p": 0.01,
-               "hogwild": 0.02, "torch:1thread": 0.005, "torch:all-cores": 0.01},
-    "cnn_4w": {"downpour": 0.01, "downpour:inverse": 0.025, "pipeline:dni+ps": 0.001, "pipeline:cdni+ps": 0.0003,
-               "pipeline:spectrain+ps": 0.005},
-}
-"""The best lr of every method in the run of 2026-11-27 (commit 708d334, every lr bracketed: 11 of 32 had moved
-beyond their first grids, costing 1,672 s of extra runs). Each grid is centred on it, so a full run rarely
-needs runs beyond its grids; it still takes them when the best is an end (``bracket``)."""
-
-FULL = Setup(("mlp", "cnn"), CELLS_FULL, 3, {2: Budget(5, 12.0, 0.1), 4: Budget(10, 32.0, 0.25)}, None, CENTRES)
-"""2 processes: every method but the 2-stage DNI pipeline reached 92% within 8 s in the run of 2026-11-27, at
-times of 0.5-2.5 s for the fastest, where a 0.25 s grid of evaluations is a 10-50% error: evaluated every 0.1 s,
-stopped after 5 epochs or 12 s. 4 processes: the replicated pipelines need 12-29 s to 90%."""
-QUICK = Setup(("mlp",), CELLS_QUICK, 1, {2: Budget(3, 15.0, 0.25), 4: Budget(3, 15.0, 0.25)}, 1)
-START_UP_S = 7.0
-"""A run's start-up and teardown on the quiet 2-core machine: about 5.5 s until a launcher run trains (three or
-more processes import torch at once), and compare's own."""
+FULL = Setup(("mlp", "cnn"), CELLS_FULL, 3, 10, 40.0, None)
+QUICK = Setup(("mlp",), CELLS_QUICK, 1, 3, 15.0, 1)
+START_UP_S = 10.0
+"""A run's start-up and teardown: about 7.5 s for a launcher run on the quiet 2-core machine, plus compare's
+own, and (deferred evaluation) the scoring of the snapshots after training."""
 
 
-def grid_of(variant: Variant, setup: Setup, cell: str) -> tuple[float, ...]:
-    """The lrs ``variant`` runs at in ``cell``: its grid, centred on ``setup.centres``' lr if that names it."""
-    grid = variant.grid
-    centre = setup.centres.get(cell, {}).get(variant.label)
-    if centre is not None:
-        mid = grid[len(grid) // 2]
-        grid = tuple(float(f"{lr * centre / mid:.3g}") for lr in grid)
+def grid_of(variant: Variant, setup: Setup) -> tuple[float, ...]:
     if setup.grid is None:
-        return grid
-    mid_i = len(grid) // 2
-    return grid[mid_i - setup.grid // 2: mid_i - setup.grid // 2 + setup.grid]
+        return variant.grid
+    mid = len(variant.grid) // 2
+    return variant.grid[mid - setup.grid // 2: mid - setup.grid // 2 + setup.grid]
 
 
 def base_config(model: str, setup: Setup, workers: int, seed: int) -> dict[str, Any]:
@@ -206,8 +169,8 @@ def base_config(model: str, setup: Setup, workers: int, seed: int) -> dict[str, 
         "optimizer": {"name": "adagrad", "lr": 0.05},
         "p2p": {"codec": "threshold", "tau": 0.002},
         "pipeline": {"sg_lr": 1e-4, "max_in_flight": 2},
-        "stop": {"max_epochs": setup.budgets[workers].max_epochs, "max_seconds": setup.budgets[workers].max_seconds},
-        "eval": {"every_seconds": setup.budgets[workers].eval_every_s, "deferred": True},
+        "stop": {"max_epochs": setup.max_epochs, "max_seconds": setup.max_seconds},
+        "eval": {"every_seconds": EVAL_EVERY_S, "deferred": True},
         "compare": {"workers": workers, "stages": 2},
     }
 
@@ -237,7 +200,7 @@ def run_compare(batch: list[tuple[Variant, float]], model: str, setup: Setup, wo
     config.write_text(to_toml(raw))
     cmd = [sys.executable, "-m", "dniasync.compare", "--config", str(config), "--seeds", str(seeds),
            "--methods", ",".join(v.method for v, _ in batch), "--targets", ",".join(map(str, TARGETS)),
-           "--out", str(out / "compare"), "--run-timeout", str(setup.budgets[workers].max_seconds + 120)]
+           "--out", str(out / "compare"), "--run-timeout", str(setup.max_seconds + 120)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with (out / "compare.log").open("w") as log:
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
@@ -273,10 +236,9 @@ def rank(row: dict[str, Any]) -> tuple[float, ...]:
 def fingerprint(model: str, workers: int, labels: Sequence[str], setup: Setup, seed0: int) -> dict[str, Any]:
     """What a cell's result depends on: a saved cell is reused (``--reuse``) only when this is equal."""
     return {"model": MODELS[model], "workers": workers, "seed0": seed0, "seeds": setup.seeds,
-            "config": base_config(model, setup, workers, seed0),
-            "variants": {label: [VARIANTS[label].method, VARIANTS[label].optimizer,
-                                 list(grid_of(VARIANTS[label], setup, f"{model}_{workers}w")), VARIANTS[label].extra]
-                         for label in labels}}
+            "stop": [setup.max_epochs, setup.max_seconds], "config": base_config(model, setup, workers, seed0),
+            "variants": {label: [VARIANTS[label].method, VARIANTS[label].optimizer, list(grid_of(VARIANTS[label], setup)),
+                                 VARIANTS[label].extra] for label in labels}}
 
 
 def cached_cell(model: str, workers: int, labels: Sequence[str], setup: Setup, seed0: int) -> dict[str, Any] | None:
@@ -301,9 +263,9 @@ def _free_dir(cell: str, stem: str) -> Path:
     return WORK / cell / f"{stem}{k}"
 
 
-def next_lr(variant: Variant, setup: Setup, cell: str, tried: Sequence[float], best: float) -> float | None:
+def next_lr(variant: Variant, setup: Setup, tried: Sequence[float], best: float) -> float | None:
     """The lr to run next to bracket ``best`` among the lrs ``tried``, or None: bracketed, or the limit reached."""
-    grid = grid_of(variant, setup, cell)
+    grid = grid_of(variant, setup)
     if len(grid) < 2:  # the quick run: one point
         return None
     if best == min(tried) and sum(lr < grid[0] for lr in tried) < MAX_EXTEND:
@@ -324,7 +286,7 @@ def bracket(cell: str, model: str, workers: int, variants: Sequence[Variant], se
             mine = [r for r in (*sweep, *new) if r["label"] == v.label]
             if not any(r.get("status") == "ok" for r in mine):
                 continue  # cannot run, or failed at every lr: nothing to bracket
-            lr = next_lr(v, setup, cell, sorted({r["lr"] for r in mine}), min(mine, key=rank)["lr"])
+            lr = next_lr(v, setup, sorted({r["lr"] for r in mine}), min(mine, key=rank)["lr"])
             if lr is not None:
                 items.append((v, lr))
         if not items:
@@ -345,12 +307,12 @@ def other_seeds(cell: str, model: str, workers: int, chosen: Sequence[tuple[Vari
     return rows
 
 
-def method_entry(v: Variant, setup: Setup, cell: str, lr: float, rows: Sequence[dict[str, Any]],
+def method_entry(v: Variant, setup: Setup, lr: float, rows: Sequence[dict[str, Any]],
                  sweep: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """A method's result: its best lr, the lrs it ran at, the aggregate over its seeds at that lr."""
     ran = [r for r in rows if "time_to_target_s" in r]
     return {
-        "method": v.method, "lr": lr, "grid": list(grid_of(v, setup, cell)),
+        "method": v.method, "lr": lr, "grid": list(grid_of(v, setup)),
         "lrs_run": sorted({r["lr"] for r in sweep if r["label"] == v.label}),
         "optimizer": v.overrides(lr)["optimizer"], "extra": v.extra,
         "differences": next((r["differences"] for r in ran if "differences" in r), []),
@@ -369,7 +331,7 @@ def run_cell(model: str, workers: int, labels: Sequence[str], setup: Setup, seed
     started = time.monotonic()
     variants = [VARIANTS[label] for label in labels if not rows or label in rows]
     sweep: list[dict[str, Any]] = []
-    items = [(v, lr) for v in variants for lr in grid_of(v, setup, cell)]
+    items = [(v, lr) for v in variants for lr in grid_of(v, setup)]
     for k, batch in enumerate(batches(items)):
         _common.say(f"[{cell}] sweep {k + 1}: " + ", ".join(f"{v.label} lr {lr:g}" for v, lr in batch))
         sweep += run_compare(batch, model, setup, workers, seed0, 1, WORK / cell / f"sweep{k}")
@@ -380,8 +342,8 @@ def run_cell(model: str, workers: int, labels: Sequence[str], setup: Setup, seed
         best[v.label] = min(mine, key=rank)["lr"]
     final = [r for r in sweep if r["lr"] == best[r["label"]]]
     final += other_seeds(cell, model, workers, [(v, best[v.label]) for v in variants], setup, seed0)
-    methods = {v.label: method_entry(v, setup, cell, best[v.label], [r for r in final if r["label"] == v.label],
-                                     sweep) for v in variants}
+    methods = {v.label: method_entry(v, setup, best[v.label], [r for r in final if r["label"] == v.label], sweep)
+               for v in variants}
     out: dict[str, Any] = {"model": model, "workers": workers, "methods": methods,
                            "sweep": [_brief(r) for r in sweep], "wall_s": time.monotonic() - started}
     if saved is not None:  # the rows not re-run, as the earlier run measured them
@@ -418,7 +380,7 @@ def bracket_saved(model: str, workers: int, labels: Sequence[str], setup: Setup,
     final += other_seeds(cell, model, workers, moved, setup, seed0)
     for v, lr in moved:
         _common.say(f"[{cell}] {v.label}: best lr {methods[v.label]['lr']:g} -> {lr:g}")
-        methods[v.label] = method_entry(v, setup, cell, lr, [r for r in final if r["label"] == v.label], sweep)
+        methods[v.label] = method_entry(v, setup, lr, [r for r in final if r["label"] == v.label], sweep)
     out = {**saved, "methods": {label: methods[label] for label in labels}, "sweep": [_brief(r) for r in sweep],
            "wall_s": saved.get("wall_s", 0.0) + time.monotonic() - started,
            "bracketed": [*saved.get("bracketed", []), {"runs": len(new), "moved": {v.label: lr for v, lr in moved},
@@ -514,24 +476,17 @@ def where_time_goes(cell: dict[str, Any], target: float = 0.92) -> dict[str, dic
 
 
 def expected_wall_s(setup: Setup, only: set[str] | frozenset[str] = frozenset(),
-                    rows: Sequence[str] = ()) -> tuple[int, float, float]:
-    """(runs, expected seconds, at most seconds) of the cells in ``only`` (empty: all), of their ``rows`` (empty:
-    all), without runs beyond the grids: every run's start-up, its stop rule's time budget (two thirds of it on
-    average: runs stop at their epochs or seconds, faster methods finish early) and the scoring of its snapshots."""
-    runs, expected, most = 0, 0.0, 0.0
+                    rows: Sequence[str] = ()) -> tuple[int, float]:
+    """(runs, seconds) of the cells in ``only`` (empty: all), of their ``rows`` (empty: all): every run's start-up
+    plus its stop rule's time budget, two thirds of it on average (runs stop at their epochs or seconds; faster
+    methods finish early)."""
+    runs = 0
     for model in setup.models:
         for workers, labels in setup.cells.items():
-            cell = f"{model}_{workers}w"
-            if only and cell not in only:
-                continue
-            n = sum(len(grid_of(VARIANTS[label], setup, cell)) + setup.seeds - 1 for label in labels
-                    if not rows or label in rows)
-            budget = setup.budgets[workers]
-            per_s = 1.0 + EVAL_COST_S / budget.eval_every_s  # a second of training, then its snapshots' scoring
-            runs += n
-            expected += n * (START_UP_S + budget.max_seconds * 2 / 3 * per_s)
-            most += n * (START_UP_S + budget.max_seconds * per_s)
-    return runs, expected, most
+            if not only or f"{model}_{workers}w" in only:
+                runs += sum(len(grid_of(VARIANTS[label], setup)) + setup.seeds - 1 for label in labels
+                            if not rows or label in rows)
+    return runs, runs * (START_UP_S + setup.max_seconds * 2 / 3)
 
 
 def print_cell(name: str, cell: dict[str, Any]) -> None:
@@ -610,13 +565,13 @@ def main() -> None:
                 + ", ".join(VARIANTS))
     setup = QUICK if args.quick else FULL
     only = {c for c in args.cells.split(",") if c}
-    runs, expected, most = expected_wall_s(setup, only, rows)
-    full_runs, full_expected, full_most = expected_wall_s(FULL)
+    runs, expected = expected_wall_s(setup, only, rows)
+    full_runs, full_expected = expected_wall_s(FULL)
     which = (f"{'quick' if args.quick else 'full'} run" + (f" of {', '.join(sorted(only))}" if only else "")
              + (f", rows {', '.join(rows)}" if rows else ""))
     _common.say(f"{which}: {runs} runs, expected wall time ~{expected / 60:.0f} min "
-                f"(at most {most / 60:.0f} min); the full run: {full_runs} runs, ~{full_expected / 60:.0f} min "
-                f"(at most {full_most / 60:.0f} min)")
+                f"(at most {runs * (START_UP_S + setup.max_seconds) / 60:.0f} min); the full run: {full_runs} runs, "
+                f"~{full_expected / 60:.0f} min (at most {full_runs * (START_UP_S + FULL.max_seconds) / 60:.0f} min)")
     started = time.monotonic()
     seed0 = 0
     cells: dict[str, dict[str, Any]] = {}
@@ -666,12 +621,9 @@ def main() -> None:
     results = {
         "setup": {"data": "mnist5k, 4000 train / 1000 held out, batch 32 per worker process",
                   "models": {m: MODELS[m] for m in setup.models}, "seeds": setup.seeds, "targets": list(TARGETS),
-                  "budgets": {f"{w}w": {"max_epochs": b.max_epochs, "max_seconds": b.max_seconds,
-                                        "eval_every_s": b.eval_every_s} for w, b in setup.budgets.items()},
-                  "evaluation": "every eval_every_s of training (per cell: budgets), charged to no method: the "
-                                "torch baselines pause their clock, dniasync jobs score deferred snapshots after "
-                                "training",
-                  "grid_centres": setup.centres,
+                  "stop": {"max_epochs": setup.max_epochs, "max_seconds": setup.max_seconds},
+                  "evaluation": f"every {EVAL_EVERY_S:g} s of training, charged to no method: the torch "
+                                "baselines pause their clock, dniasync jobs score deferred snapshots after training",
                   "lr_choice": "every lr of the method's grid on seed 0, then lrs beyond an end of it (the grid's "
                                f"step apart, at most {MAX_EXTEND} per end) while the best is that end; the best "
                                "(earliest to 92%, then to 90%, then best accuracy) runs the other seeds; seed 0's "
