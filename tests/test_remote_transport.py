@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -252,3 +254,21 @@ async def test_unsent_bytes_count_what_is_on_its_way_and_fall_to_zero_once_the_p
         assert local.unsent_bytes() == 0  # a local actor's messages go straight to its mailbox
         nowhere = a.system.ref(f"rec@{b.address.rsplit(':', 1)[0]}:1")  # a node never sent to
         assert nowhere.unsent_bytes() == 0
+
+
+async def test_silent_for_counts_from_the_last_frame_of_the_node_and_is_infinite_without_a_connection() -> None:
+    async with two_nodes() as (a, b):
+        await b.system.spawn(Recorder, name="rec")
+        rec = a.system.ref(f"rec@{b.address}")
+        nowhere = a.system.ref(f"rec@{b.address.rsplit(':', 1)[0]}:1")  # a node never sent to
+        assert nowhere.silent_for() == math.inf
+        local = await a.system.spawn(Recorder, name="here")
+        assert local.silent_for() == 0.0
+        before = time.monotonic()
+        assert await rec.ask(Read(), timeout=10) == []
+        # the reply came after `before`: the node was heard from since (the loop clock may be a tick coarse)
+        assert 0.0 <= rec.silent_for() <= time.monotonic() - before + 0.05
+        await b.close()
+        async with asyncio.timeout(10):  # its connection is gone: nothing can be heard from it
+            while rec.silent_for() != math.inf:
+                await asyncio.sleep(0.01)

@@ -113,6 +113,9 @@ class ActorCell(Supervisor):
     def unsent_bytes(self) -> int:
         return 0  # a local actor's messages go straight to its mailbox
 
+    def silent_for(self) -> float:
+        return 0.0  # on this node
+
     def tell_nowait(self, msg: Any) -> None:
         if self.state is STOPPING or self.state is STOPPED:
             raise ActorStopped(self.address)

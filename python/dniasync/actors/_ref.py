@@ -29,6 +29,8 @@ class Destination(Protocol):
 
     def unsent_bytes(self) -> int: ...
 
+    def silent_for(self) -> float: ...
+
 
 class Transport(Protocol):
     """Resolves addresses on other nodes; plugged into an ``ActorSystem``."""
@@ -99,6 +101,16 @@ class ActorRef:
         Cheap (one system call), and safe to read from any thread.
         """
         return self._dest.unsent_bytes()
+
+    def silent_for(self) -> float:
+        """Seconds since this node last received anything from the actor's node: a message to any actor, a reply,
+        a heartbeat (0 for a local actor; ``inf`` while there is no connection to that node).
+
+        Liveness for a sender that must not wait: unlike a reply, it does not depend on how fast the actor works
+        through its mailbox, so a node busy with a long queue still counts as heard while its link carries anything.
+        Safe to read from any thread.
+        """
+        return self._dest.silent_for()
 
     def ask(self, msg: Any, timeout: float | None = DEFAULT_ASK_TIMEOUT) -> Coroutine[Any, Any, Any]:
         """Send ``msg`` and wait for the handler's return value.

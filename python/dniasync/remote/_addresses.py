@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 from typing import Any
 
 from ..actors import ActorStopped
@@ -52,3 +53,6 @@ class DeadDestination:
 
     def unsent_bytes(self) -> int:
         return 0
+
+    def silent_for(self) -> float:
+        return math.inf

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any, Final
 
@@ -173,6 +174,14 @@ class RemoteDestination:
         if conn is None:
             return sum(frame.payload_len for _, frame in peer.backlog)
         return conn.unsent_bytes()
+
+    def silent_for(self) -> float:
+        """Seconds since a frame last came from this node on its connection; ``inf`` without one."""
+        peer = self.transport.known_peer(self.node)
+        conn = None if peer is None else peer.conn
+        if conn is None:
+            return math.inf
+        return max(0.0, conn.loop.time() - conn.last_rx)
 
     async def ask(self, msg: Any, timeout: float | None) -> Any:
         corr = next(_corr_ids)

@@ -174,6 +174,10 @@ class ChainRoute:
         """What is on its way to the chain's head."""
         return self.view.chain[0].unsent_bytes()
 
+    def silent_for(self) -> float:
+        """Since the chain's head's node was last heard from."""
+        return self.view.chain[0].silent_for()
+
 
 def _catching_up(exc: ActorError) -> bool:
     """Whether a remote copy refused a pull because it is still taking its state."""

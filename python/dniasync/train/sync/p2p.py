@@ -37,7 +37,8 @@ out:
   updates the copy lacks, and goes on;
 - a peer never waits for another: sends are ``tell_nowait`` (a full outbox
   drops the update, counted), and nothing is sent to a peer silent for
-  ``silent_s`` (it catches up through its ledger once back);
+  ``silent_s``: no message of its own and nothing at all on the link from its
+  node for that long (it catches up through its ledger once back);
 - flow control: a peer codes its next update only while no live peer it
   sends to has more than ``max_unsent_bytes`` from it still on the way
   (:meth:`~dniasync.actors.ActorRef.unsent_bytes`: queued, buffered, or in
@@ -394,8 +395,7 @@ class P2PSync:
         refs = self._refs
         for address in self._targets(self.me):
             ref = refs.get(address)
-            if ref is not None and now - self.heard.get(address, now) <= self.spec.silent_s \
-                    and ref.unsent_bytes() > self.spec.max_unsent_bytes:
+            if ref is not None and not self._silent(address, now) and ref.unsent_bytes() > self.spec.max_unsent_bytes:
                 return True
         return False
 
@@ -524,6 +524,16 @@ class P2PSync:
         if address not in self._refs and address != self.me and address not in self._gone and actor is not None:
             self._set_members([*self._refs.values(), actor.system.ref(address)])
 
+    def _silent(self, address: str, now: float) -> bool:
+        """Nothing came from ``address`` for ``silent_s``: neither a message of its own nor anything at all on the
+        link from its node (:meth:`~dniasync.actors.ActorRef.silent_for`). The link's word counts because a peer
+        whose inbox is behind (a slow node, every link saturated) reads its peers' messages late, yet their frames
+        still arrive: such a peer is not silent, and cutting it off would only make it take a dense copy later."""
+        if now - self.heard.get(address, now) <= self.spec.silent_s:
+            return False
+        ref = self._refs.get(address)
+        return ref is None or ref.silent_for() > self.spec.silent_s
+
     def _alive_origin(self, origin: str) -> bool:
         return origin.partition("#")[0] in self.members
 
@@ -546,7 +556,7 @@ class P2PSync:
         out = Update(update.origin, update.seq, update.codec, update.payload, self.me)
         now = self.ctx.clock()
         for address in targets:
-            if now - self.heard.get(address, now) > self.spec.silent_s:
+            if self._silent(address, now):
                 self.counters.skipped += 1  # a silent peer catches up from its ledger once back
                 continue
             if self._tell(self._refs[address], out):
