@@ -162,14 +162,23 @@ def test_a_killed_launcher_leaves_no_process_behind(tmp_path: Path) -> None:
     launcher, out = start(tmp_path, "orphans", seconds=300)
     try:
         children = wait_training(out)
+        # on loopback every process is forked by the launcher's fork server (one process, not the launcher)
+        parents = {_parent(c["pid"]) for c in children}
+        grandparents = {_parent(pid) for pid in parents}
     finally:
         launcher.kill()
         launcher.communicate()
-    pids = [c["pid"] for c in children]
+    assert len(parents) == 1 and launcher.pid not in parents and grandparents == {launcher.pid}, parents
+    (server,) = parents
+    pids = [server, *(c["pid"] for c in children)]  # the server goes with the launcher, its children with it
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and any(_running(pid) for pid in pids):
         time.sleep(0.2)
     assert not [pid for pid in pids if _running(pid)]
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def _running(pid: int) -> bool:

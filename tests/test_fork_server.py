@@ -1,0 +1,45 @@
+"""The local launcher's fork server (dniasync.node._zygote), driven as the launcher drives it: real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+from dniasync.node._zygote import ForkServer
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+
+
+async def test_forked_nodes_say_what_they_say_exit_as_they_exit_and_the_server_goes_when_closed() -> None:
+    env = _env()
+    server = await ForkServer.start(env)
+    assert server is not None
+    try:
+        refused = await server.spawn(["--role", "nosuch"], env, stdin_pipe=False)  # argparse: exit 2, on stderr
+        said = (await asyncio.wait_for(refused.stdout.read(), 60)).decode()
+        assert await asyncio.wait_for(refused.wait(), 60) == 2 and refused.returncode == 2
+        assert "invalid choice: 'nosuch'" in said, said
+        # a worker with --join - reads the coordinator's address from its stdin: a pipe the launcher writes
+        waiting = await server.spawn(["--role", "worker", "--join", "-"], env, stdin_pipe=True)
+        assert waiting.stdin is not None and waiting.returncode is None
+        assert os.getsid(waiting.pid) == waiting.pid  # a session of its own: Ctrl-C reaches only the launcher
+        waiting.kill()
+        assert await asyncio.wait_for(waiting.wait(), 60) == -signal.SIGKILL
+        ended = await server.spawn(["--role", "worker", "--join", "-"], env, stdin_pipe=True)
+        assert ended.stdin is not None
+        ended.stdin.close()  # the end of its input before an address: the launcher gave up on the job
+        assert await asyncio.wait_for(ended.wait(), 60) == 0
+    finally:
+        await server.close()
+    assert server.proc.returncode == 0
+
+
+async def test_a_server_that_cannot_start_is_none_and_the_launcher_falls_back_to_exec() -> None:
+    env = dict(_env(), PYTHONPATH="/nonexistent")
+    server = await ForkServer.start(env, preload=("dniasync_no_such_module",))
+    assert server is None
+    assert sys.executable  # the launcher then starts each process with exec (tests/test_job_faults.py runs both)
