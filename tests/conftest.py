@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import queue
 import re
@@ -126,7 +127,16 @@ _ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session", autouse=True)
 def example_data_sets() -> None:
     """Data sets the shipped examples name under ``runs/`` (not in git), made when missing with the commands the
-    example's header gives (every ``#   python ...`` line but the job's own launch), as a user makes them."""
+    example's header gives (every ``#   python ...`` line but the job's own launch), as a user makes them.
+
+    Under ``pytest -n`` every worker runs this: a lock on ``runs/`` lets one make the sets while the others wait."""
+    (_ROOT / "runs").mkdir(exist_ok=True)
+    with open(_ROOT / "runs" / ".example-data.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _make_example_data_sets()
+
+
+def _make_example_data_sets() -> None:
     for example in sorted((_ROOT / "examples").glob("*.toml")):
         text = example.read_text()
         dataset = str(tomllib.loads(text).get("data", {}).get("dataset", ""))

@@ -199,7 +199,7 @@ BAD: list[tuple[str, Any, str, str]] = [
 ]
 
 
-@pytest.mark.parametrize(("dotted", "value", "key", "message"), BAD, ids=[f"{b[0]}={b[1]!r}" for b in BAD])
+@pytest.mark.parametrize(("dotted", "value", "key", "message"), BAD, ids=[f"{b[0]}={'<deleted>' if b[1] is DELETE else repr(b[1])}" for b in BAD])
 def test_bad_config_names_its_key(dotted: str, value: Any, key: str, message: str) -> None:
     raw = with_(base(), dotted, value)
     with pytest.raises(ConfigError, match=message) as err:

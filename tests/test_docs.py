@@ -192,6 +192,7 @@ def example_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[su
         return {name: future.result() for name, future in runs.items()}
 
 
+@pytest.mark.timeout(900)  # the first one's setup runs them all (78 s alone here, 143 s beside another test file)
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs_briefly(path: Path, example_runs: dict[str, tuple[subprocess.CompletedProcess[str], Path]]) -> None:
     parse_config(tomllib.loads(path.read_text()))

@@ -26,7 +26,10 @@ async def test_forked_nodes_say_what_they_say_exit_as_they_exit_and_the_server_g
         # a worker with --join - reads the coordinator's address from its stdin: a pipe the launcher writes
         waiting = await server.spawn(["--role", "worker", "--join", "-"], env, stdin_pipe=True)
         assert waiting.stdin is not None and waiting.returncode is None
-        assert os.getsid(waiting.pid) == waiting.pid  # a session of its own: Ctrl-C reaches only the launcher
+        # a session of its own (Ctrl-C reaches only the launcher), made as the child starts
+        async with asyncio.timeout(60):
+            while os.getsid(waiting.pid) != waiting.pid:
+                await asyncio.sleep(0.01)
         waiting.kill()
         assert await asyncio.wait_for(waiting.wait(), 60) == -signal.SIGKILL
         ended = await server.spawn(["--role", "worker", "--join", "-"], env, stdin_pipe=True)

@@ -462,11 +462,11 @@ def test_with_fanout_1_every_update_reaches_every_peer(tmp_path: Path) -> None:
     assert doc["final_accuracy"] >= 0.6
 
 
-def _node(role: str, *args: str, log: Path) -> subprocess.Popen[bytes]:
+def _node(role: str, *args: str, log: Path, stdin: int | None = None) -> subprocess.Popen[bytes]:
     """A node started by hand, as on separate machines: nobody restarts it."""
     with log.open("wb") as fh:
         return subprocess.Popen([sys.executable, "-m", "dniasync.node", "--role", role, *args],
-                                stdout=fh, stderr=subprocess.STDOUT)
+                                stdout=fh, stderr=subprocess.STDOUT, stdin=stdin)
 
 
 def _wait_for(log: Path, pattern: str, timeout: float = 180) -> re.Match[str]:
@@ -493,6 +493,19 @@ class _Cluster:
         self.logs[name] = self.tmp_path / f"{name}.log"
         self.procs[name] = _node("worker", "--join", self.address, log=self.logs[name])
         return self.procs[name]
+
+    def ready_worker(self, name: str) -> subprocess.Popen[bytes]:
+        """A worker started now that joins when :meth:`join` says (``--join -``: it imports what it trains with
+        while it waits, so joining later costs no start-up, however loaded the machine)."""
+        self.logs[name] = self.tmp_path / f"{name}.log"
+        self.procs[name] = _node("worker", "--join", "-", log=self.logs[name], stdin=subprocess.PIPE)
+        return self.procs[name]
+
+    def join(self, name: str) -> None:
+        stdin = self.procs[name].stdin
+        assert stdin is not None
+        stdin.write(f"{self.address}\n".encode())
+        stdin.close()
 
     def replica(self, name: str) -> str:
         """The replica the worker ``name`` runs (it says so once it trains)."""
@@ -554,13 +567,17 @@ def test_a_killed_peer_is_named_and_the_others_finish(tmp_path: Path) -> None:
 
 
 def test_a_late_peer_starts_from_a_neighbours_copy_and_reaches_the_others(tmp_path: Path) -> None:
-    config, out = write_job(tmp_path, "late", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=15)
+    config, out = write_job(tmp_path, "late", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=25)
     cluster = _Cluster(tmp_path, config, out)
     try:
         cluster.worker("w0")
         cluster.worker("w1")
+        # started now, joining later: one that imported torch only once the others had trained (seconds of CPU)
+        # once joined after the job's 15 s were up on a loaded machine (the replica it hosts took 13 s to start),
+        # and was not among the job's peers at its end
+        cluster.ready_worker("late")
         cluster.trained(samples=2000)  # the first two have trained well over an epoch of theirs
-        cluster.worker("late")
+        cluster.join("late")
         late = cluster.replica("late")
         doc = cluster.finished()
     finally:

@@ -328,6 +328,10 @@ class JobRunner(Actor):
         parts = {**durable.shard_parts(self.shards.snapshots), **parts}
         if self._check_fence():
             return
+        if not parts:  # nothing answered in time (a p2p job's peers all busy): the next round tries again
+            self.event(EVENT_CHECKPOINT_FAILED, reason="no part to save")
+            log.warning("checkpoint not written: no part to save")
+            return
         try:
             path = await self.run_blocking(durable.write, self.store, parts, meta)
         except OSError as exc:
