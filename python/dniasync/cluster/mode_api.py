@@ -222,6 +222,11 @@ class Mode(Protocol):
         """``alive`` / ``dead`` for what the worker process at ``address`` hosts, from the job's member states
         (None: it hosts nothing yet)."""
 
+    def preload(self, config: Config) -> tuple[str, ...]:
+        """Modules the job's processes import beyond torch and dniasync's own (the local launcher's fork server
+        imports them before it forks them): ``torch._dynamo`` where workers make torch optimizers, which import it
+        as they are made (seconds of CPU in each process otherwise)."""
+
     def syncs(self, settings: Any) -> tuple[str, ...]:
         """The weight syncs (``sync.kind``) the mode runs with these settings; the first is the default."""
 

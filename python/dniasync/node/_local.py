@@ -39,8 +39,8 @@ from ..chaos import PROXY_ENV, ChaosControl
 from ..cluster.config import Config, ConfigError, load_config
 from ..cluster.modes import get_mode
 from ..remote import WebSocketTransport
-from ._zygote import ForkedProcess, ForkServer
 from ..cluster.protocol import COORDINATOR_NAME, JobStatus, JobStatusReply
+from ._zygote import ForkedProcess, ForkServer
 
 __all__ = ["Placement", "run_local"]
 
@@ -189,15 +189,6 @@ def _end_with_launcher() -> None:
 
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def _preload(config: Config) -> tuple[str, ...]:
-    """What the fork server imports beyond what every process needs: ``torch._dynamo`` for jobs whose workers
-    make torch optimizers (pipeline stages; replicas taking local steps), which import it as they are made (3.5 s
-    of CPU here, in each of those processes otherwise)."""
-    if config.mode == "pipeline" or (config.mode == "downpour" and config.sync.local_steps > 1):
-        return ("torch._dynamo",)
-    return ()
 
 
 def _child_env() -> dict[str, str]:
@@ -493,7 +484,7 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool, pla
             await cluster.chaos.start()
         if placement is None and os.environ.get(FORK_ENV, "1") != "0":
             # torch and the rest imported once, not by each process: ~3 s of CPU saved per process that trains
-            cluster.forks = await ForkServer.start(_child_env(), _preload(config))
+            cluster.forks = await ForkServer.start(_child_env(), get_mode(config.mode).preload(config))
         listen = ["--listen", "127.0.0.1:0"] if placement is None else []  # a placement says where
         coordinator = await _spawn(cluster, "coordinator", 0, ["--config", config_path, *listen,
                                                                *(["--resume"] if resume else [])])

@@ -69,6 +69,9 @@ class DataParallelMode:
     def restarts_workers(self, config: Config) -> bool:
         return True
 
+    def preload(self, config: Config) -> tuple[str, ...]:
+        return ()  # the replicas' optimizers are the store's (Rust), not torch's
+
     def worker_state(self, members: Mapping[str, str], address: str) -> str | None:
         return members.get(replica_name(f"{WORKER_HOST}@{address}"))
 

@@ -207,6 +207,10 @@ class _Downpour(DataParallelMode):
     schedules = True
     takes_local_steps = True
 
+    def preload(self, config: Config) -> tuple[str, ...]:
+        # with local steps the inner steps run torch's optimizer (LocalOptimizer)
+        return ("torch._dynamo",) if config.sync.local_steps > 1 else ()
+
     def data_shards(self, settings: DownpourConfig) -> int:
         return settings.n_replicas
 

@@ -170,6 +170,9 @@ class _Pipeline:
     def restarts_workers(self, config: Config) -> bool:
         return config.checkpoint.every_seconds is not None  # stages come back from their pipeline's last capture
 
+    def preload(self, config: Config) -> tuple[str, ...]:
+        return ("torch._dynamo",)  # every stage (and its synthetic-gradient model) steps a torch optimizer
+
     def worker_state(self, members: Mapping[str, str], address: str) -> str | None:
         states = {state for name, state in members.items() if name.endswith(f"@{address}")}
         return "dead" if "dead" in states else ("alive" if states else None)  # dead if the job gave any away
