@@ -97,7 +97,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
         "decay": write_job(tmp, "decay", epochs=4, seconds=seconds,
                            extra='lr_decay = "linear"\nlr_decay_start = 0.25\nlr_decay_final = 0.1\n')[0],
         "dnidp": write_job(tmp, "dnidp", epochs=6, seconds=seconds, extra="replicas = 2\n")[0],
-        "stdp": write_job(tmp, "stdp", epochs=6, seconds=seconds, extra="replicas = 2\n")[0],
+        # 8 epochs: at 6 it once ended at 83.1% with another test file beside it (91-94% on a quiet machine)
+        "stdp": write_job(tmp, "stdp", epochs=8, seconds=seconds, extra="replicas = 2\n")[0],
     }
     configs["stdp"].write_text(configs["stdp"].read_text().replace('method = "cdni"', 'method = "spectrain"')
                                .replace('name = "adam"\nlr = 1e-3', 'name = "momentum"\nlr = 0.01\nmomentum = 0.9'))
@@ -236,7 +237,7 @@ def test_spectrain_times_downpour_predicts_each_stage_from_its_weights_velocity(
     so they predict from the velocity the pulls show; measured 91-94% held-out on seeds 0, 2, 3, 4 (async 93%)."""
     proc, out = finished(jobs, "stdp")
     doc = summary(out)
-    assert doc["stop_reason"] == "trained 6 epochs"
+    assert doc["stop_reason"] == "trained 8 epochs"
     assert doc["final_accuracy"] >= 0.85, doc["history"]
     children = json.loads((out / "cluster.json").read_text())["children"]
     assert sum(c["role"] == "ps" for c in children) == 2 and sum(c["role"] == "worker" for c in children) == 4
