@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 
 from dniasync.node._zygote import ForkServer
 
@@ -42,7 +41,7 @@ async def test_forked_nodes_say_what_they_say_exit_as_they_exit_and_the_server_g
 
 
 async def test_a_server_that_cannot_start_is_none_and_the_launcher_falls_back_to_exec() -> None:
-    env = dict(_env(), PYTHONPATH="/nonexistent")
+    # (a None server: _run starts every process with exec, as with DNIASYNC_FORK=0)
+    env = _env()
     server = await ForkServer.start(env, preload=("dniasync_no_such_module",))
     assert server is None
-    assert sys.executable  # the launcher then starts each process with exec (tests/test_job_faults.py runs both)

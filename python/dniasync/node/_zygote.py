@@ -26,7 +26,6 @@ node in its own namespaces and cgroup) are started by the launcher with ``exec``
 
 from __future__ import annotations
 
-import array
 import asyncio
 import json
 import os
