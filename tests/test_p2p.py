@@ -136,6 +136,29 @@ async def test_the_residual_keeps_what_the_threshold_left_out() -> None:
         np.testing.assert_allclose(sync.w, base + sent, atol=1e-7)  # its own copy takes exactly what it sent
 
 
+async def test_a_capped_update_sends_the_rest_of_its_codes_with_the_next_ones() -> None:
+    async with _peers(1, max_update_bytes=64) as (sync,):  # 16 codes per update; the model has 58 weights
+        w0 = sync.w.copy()
+        await sync.ready()
+        model = sync.flat.model
+        nn.functional.cross_entropy(model(torch.ones(8, 4)), torch.zeros(8, dtype=torch.long)).backward()  # type: ignore[no-untyped-call]
+        sync.step()
+        change = sync.store.view("params") - sync.base  # one step that moves many weights past tau
+        await sync.sync(8)
+        assert sync.counters.capped == 1
+        sizes = []
+        while np.abs(sync.codec.residual()).max() >= TAU:  # type: ignore[attr-defined]
+            # steps that change nothing: the updates carry only what the first left in the residual
+            await sync.ready()
+            (0 * model(torch.ones(1, 4)).sum()).backward()  # type: ignore[no-untyped-call]
+            sync.step()
+            sizes += [c.payload.nbytes for c in sync._coded]
+            await sync.sync(1)
+        assert max(sizes) <= 64 and sync.counters.sent == 1 + len(sizes) >= 3
+        # every code got out once, in some update: the shared copy has the whole change but what tau left over
+        np.testing.assert_allclose(sync.w - w0 + sync.codec.residual(), change, atol=1e-6)  # type: ignore[attr-defined]
+
+
 async def test_a_lost_update_is_asked_for_again_from_its_origin() -> None:
     async with _peers(2, max_lag=50) as (a, b):
         await _train(a, 3, seed=0)
@@ -146,6 +169,23 @@ async def test_a_lost_update_is_asked_for_again_from_its_origin() -> None:
         await _settle([a, b])
         assert b.counters.resends_asked >= 1 and a.counters.resent >= 1
         assert b.counters.dense_taken == 0  # one missing update is below max_lag: a resend, not a copy
+        np.testing.assert_allclose(a.w, b.w, atol=1e-6)
+
+
+async def test_an_update_its_origin_no_longer_keeps_comes_with_a_dense_copy_without_asking_for_it() -> None:
+    async with _peers(2, max_lag=50, keep_bytes=1) as (a, b):
+        await _train(a, 4, seed=0)
+        await _settle([a, b])
+        assert [seq for seq, _, _ in a._own] == [4]  # keep_bytes=1: only its latest update is kept
+        deadline = time.monotonic() + 10
+        while b._kept_from.get(a.origin) != 4 and time.monotonic() < deadline:  # its ledgers say so
+            await asyncio.sleep(0.02)
+        assert b._kept_from[a.origin] == 4
+        b.ledger[a.origin].have, b.ledger[a.origin].extra = 1, {3, 4}  # b lost update 2, which a no longer keeps
+        b.w[:] = 0  # (what it holds no longer matters: the copy replaces it)
+        await _settle([a, b])
+        assert b.counters.dense_taken == 1 and b.counters.dense_failed == 0
+        assert b.counters.resends_asked == 0  # a resend could not bring update 2: b did not ask for it
         np.testing.assert_allclose(a.w, b.w, atol=1e-6)
 
 
@@ -216,7 +256,8 @@ async def test_a_busy_link_holds_the_next_update_and_the_one_after_carries_both_
             await stack.enter_async_context(WebSocketTransport(system, settings=RemoteSettings(shm=False)))
             found: dict[str, Actor] = {}
             await system.spawn(_Trainer, found, name=f"trainer-{i}")
-            spec = P2PSpec([], codec="threshold", tau=1e-9, tick_s=0.05)  # every element crosses tau
+            # every element crosses tau, and an update carries them all (4 MB: uncapped)
+            spec = P2PSpec([], codec="threshold", tau=1e-9, tick_s=0.05, max_update_bytes=8 << 20)
             torch.manual_seed(0)  # the same initial weights on both
             ctx = SyncContext(f"trainer-{i}", 100 + i, OPTIMIZER, actor=found[f"trainer-{i}"])
             sync = P2PSync(spec, nn.Sequential(nn.Linear(1024, 1024)), ctx)

@@ -202,6 +202,11 @@ class ThresholdCodec:
     def residual(self) -> NDArray[np.float32]:
         """Copy of the residual."""
     def reset(self) -> None: ...
+    def encode_capped(
+        self, grad: NDArray[np.float32], max_codes: int, start: int
+    ) -> tuple[NDArray[np.uint32], int]:
+        """``encode``, but at most ``max_codes`` codes, from element ``start`` on (wrapping); the
+        others keep their +-tau in the residual. Returns the codes and where a next call starts."""
     def compression_ratio(self, codes: NDArray[np.uint32]) -> float: ...
 
 @final

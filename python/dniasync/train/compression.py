@@ -168,6 +168,15 @@ class ThresholdCodec(Codec):
         self._ratio = self._core.compression_ratio(codes)
         return self._wrap(codes.view(np.uint8))
 
+    def compress_capped(self, grad: NDArray[np.float32], max_codes: int,
+                        start: int) -> tuple[CompressedTensor, int]:
+        """:meth:`compress`, but at most ``max_codes`` codes: those from element ``start`` on (wrapping); the
+        other elements that reached +-tau keep it in the residual for a later payload. Returns the payload and
+        the element a next call starts from (``start`` if nothing was left out): round-robin over the vector."""
+        codes, nxt = self._core.encode_capped(grad, max_codes, start)
+        self._ratio = self._core.compression_ratio(codes)
+        return self._wrap(codes.view(np.uint8)), int(nxt)
+
     def _codes(self, compressed: CompressedTensor) -> NDArray[np.uint32]:
         codes: NDArray[np.uint32] = _aligned_view(self._check(compressed), np.uint32).astype(
             np.uint32, copy=False

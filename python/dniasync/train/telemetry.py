@@ -123,10 +123,12 @@ P2P_UPDATES = FAMILIES.counter(
     "dniasync_p2p_updates_total",
     "Peer-to-peer updates: own sent (sent), forwarded for others (forwarded), received new (received), "
     "received again (duplicate), applied to the shared copy (applied), not sent to a silent or full peer (skipped); "
-    "steps whose change waited for a later update while a link was busy (held: flow control).",
+    "steps whose change waited for a later update while a link was busy (held: flow control); own updates "
+    "that carried only max_update_bytes of their codes (capped).",
     "event")
 P2P_DENSE = FAMILIES.counter("dniasync_p2p_dense_copies_total",
-                             "Dense copies of the shared weights a peer took from a neighbour or gave one (role).",
+                             "Dense copies of the shared weights a peer took from a neighbour, gave one, or asked for in vain "
+                             "(role: taken, given, failed).",
                              "role")
 P2P_PEERS = FAMILIES.gauge("dniasync_p2p_peers_alive", "Peers in this peer's view of the membership (itself included).")
 P2P_LAG = FAMILIES.gauge("dniasync_p2p_lag_updates",

@@ -138,6 +138,48 @@ proptest! {
     }
 
     #[test]
+    fn capped_threshold_codes_at_most_max_and_keeps_the_rest_for_later(
+        steps in prop::collection::vec(vec_f32(500..501), 1..5),
+        tau in 0.05f32..3.0,
+        max_codes in 1usize..60,
+        first in 0usize..500,
+    ) {
+        let n = 500;
+        let mut enc = threshold::ThresholdEncoder::new(n, tau).unwrap();
+        let mut codes = Vec::new();
+        let mut decoded = vec![0f32; n];
+        let mut start = first;
+        for g in &steps {
+            let old = enc.residual().to_vec();
+            let mut all = threshold::ThresholdEncoder::new(n, tau).unwrap();
+            let mut uncapped = Vec::new();
+            all.encode(&old.iter().zip(g).map(|(r, x)| r + x).collect::<Vec<_>>(), &mut uncapped).unwrap();
+            let next = enc.encode_capped(g, max_codes, start, &mut codes).unwrap();
+            threshold::validate(&codes, n).unwrap(); // ascending
+            prop_assert_eq!(codes.len(), uncapped.len().min(max_codes));
+            // the codes are the uncapped ones from `start` on, wrapping
+            let mut order: Vec<u32> = uncapped.iter().copied().filter(|c| (c & !(1 << 31)) as usize >= start)
+                .chain(uncapped.iter().copied().filter(|c| ((c & !(1 << 31)) as usize) < start)).collect();
+            order.truncate(max_codes);
+            order.sort_unstable_by_key(|c| c & !(1 << 31));
+            prop_assert_eq!(&codes, &order);
+            threshold::decode(&codes, tau, &mut decoded).unwrap();
+            for i in 0..n {
+                let lhs = decoded[i] + enc.residual()[i];
+                let rhs = g[i] + old[i];
+                let tol = 4.0 * f32::EPSILON * (g[i].abs() + old[i].abs() + tau);
+                prop_assert!((lhs - rhs).abs() <= tol, "element {}: {} vs {}", i, lhs, rhs);
+            }
+            if uncapped.len() > max_codes {
+                prop_assert!(next > 0 && next <= n);
+            } else {
+                prop_assert_eq!(next, start);
+            }
+            start = next;
+        }
+    }
+
+    #[test]
     fn threshold_roundtrip_conserves_gradient(
         steps in prop::collection::vec(vec_f32(500..501), 1..5),
         tau in 0.05f32..3.0,

@@ -36,7 +36,7 @@ where
         &self.codec
     }
 
-    fn encoder(&self) -> MutexGuard<'_, C::Encoder> {
+    pub(crate) fn encoder(&self) -> MutexGuard<'_, C::Encoder> {
         // A panic mid-encode cannot leave the carried state half-typed: f32 writes are whole.
         self.encoder.lock().unwrap_or_else(|p| p.into_inner())
     }

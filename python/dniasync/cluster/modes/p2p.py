@@ -249,8 +249,8 @@ class _P2PJob(DataParallelJob):
         for name, s in stats.items():
             report.set_metric(f"p2p/{name}/sent", int(s["sent"]))
             report.set_metric(f"p2p/{name}/steps", int(s["steps"]))
-            for counter in ("dense_taken", "dense_given", "received", "duplicate", "forwarded", "skipped", "held",
-                            "resends_asked", "resent", "lost_own"):
+            for counter in ("dense_taken", "dense_given", "dense_failed", "received", "duplicate", "forwarded",
+                            "skipped", "held", "capped", "resends_asked", "resent", "lost_own"):
                 report.set_metric(f"p2p/{name}/{counter}", int(s["counters"][counter]))
             for origin, count in s["ledger"].items():
                 if origin in origins:

@@ -26,15 +26,22 @@ out:
 
 - every ``tick_s`` each peer tells every other how many updates it has sent
   (:class:`Ledger`; as of the last tick its link to that peer was idle, so an
-  update still on its way is not announced yet); an update of a live origin
-  missing from a ledger for two ticks is asked for again from its origin
-  (:class:`Resend`; an origin keeps its latest updates, ``keep_bytes`` of
-  them);
-- a peer missing more than ``max_lag`` updates (frozen, cut off, late),
-  or still missing one after three resends, takes a dense copy of the shared
-  weights, with their ledger, from the origin it misses most of (whose copy
-  holds every update of its own) (:class:`DenseRequest`), re-applies its own
-  updates the copy lacks, and goes on;
+  update still on its way is not announced yet) and the oldest it still
+  keeps (an origin keeps its latest updates, ``keep_bytes`` of them); an
+  update of a live origin missing from a ledger for two ticks is asked for
+  again from its origin (:class:`Resend`);
+- a peer missing more than ``max_lag`` updates (frozen, cut off, late), one
+  its origin no longer keeps, or one still missing after
+  ``RESEND_PATIENCE_S`` of asking, takes a dense copy of the shared weights,
+  with their ledger, from the origin it misses most of (whose copy holds every
+  update of its own) (:class:`DenseRequest`), re-applies its own updates the
+  copy lacks, and goes on. A few missing updates are thus repaired by resends
+  alone: a copy is the whole model, and on a slow link it costs seconds. The
+  copy is fetched beside the inbox, which goes on applying updates and
+  answering the others' requests meanwhile (two peers asking each other for
+  a copy must not wait on each other); it gets ``DENSE_TIMEOUT_S`` plus the
+  time its size takes at ``DENSE_MIN_RATE`` bytes/s, and after a copy that
+  failed the next waits that long again (a late reply still fills the link);
 - a peer never waits for another: sends are ``tell_nowait`` (a full outbox
   drops the update, counted), and nothing is sent to a peer silent for
   ``silent_s``: no message of its own and nothing at all on the link from its
@@ -63,6 +70,7 @@ consensus distance; :mod:`dniasync.train.sketch`) and statistics
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -79,7 +87,7 @@ from torch import nn
 
 from ...actors import Actor, ActorError, ActorRef, ActorSystem, handler, message
 from ...metrics import Tracker, add_sample, track
-from ..compression import CompressedTensor, make_codec
+from ..compression import CompressedTensor, ThresholdCodec, make_codec
 from ..flat import FlatModel, flatten_parameters
 from ..sketch import CountSketch
 from ..specs import P2PSpec
@@ -112,8 +120,12 @@ P2P_SEGMENT: Final = "params"
 INDEX_MASK: Final = np.uint32(0x7FFFFFFF)
 DENSE_COPY_COOLDOWN_S: Final = 1.0
 """A peer takes at most one dense copy per this interval (the copy itself repairs what it can)."""
-RESENDS_BEFORE_COPY: Final = 3
+RESEND_PATIENCE_S: Final = 5.0
+"""An update its origin still keeps is asked for again for this long before a dense copy replaces it (while its
+origin's link is busy a resend waits: on a saturated link that can take many ticks)."""
 DENSE_TIMEOUT_S: Final = 10.0
+DENSE_MIN_RATE: Final = 1 << 20
+"""Bytes/s a dense copy is given on top of ``DENSE_TIMEOUT_S`` (a 23 MB model: 22 s more)."""
 
 
 def inbox_name(trainer: str) -> str:
@@ -147,10 +159,12 @@ class Peers:
 @message("dniasync.train.sync.p2p.Ledger")
 @dataclass(frozen=True)
 class Ledger:
-    """Periodic, to every peer: ``origin`` has sent ``sent`` updates (and is alive)."""
+    """Periodic, to every peer: ``origin`` has sent ``sent`` updates (and is alive); it keeps those from
+    ``kept_from`` on (an older one missing can only come with a dense copy)."""
 
     origin: str
     sent: int
+    kept_from: int = 1
 
 
 @message("dniasync.train.sync.p2p.Resend")
@@ -260,10 +274,11 @@ def _collect(system: ActorSystem, syncs: Sequence[P2PSync]) -> Iterator[Metric]:
         c = sync.counters
         add_sample(families[P2P_BYTES], ["sent"], c.bytes_sent)
         add_sample(families[P2P_BYTES], ["received"], c.bytes_received)
-        for event in ("sent", "forwarded", "received", "duplicate", "applied", "skipped", "held"):
+        for event in ("sent", "forwarded", "received", "duplicate", "applied", "skipped", "held", "capped"):
             add_sample(families[P2P_UPDATES], [event], getattr(c, event))
         add_sample(families[P2P_DENSE], ["taken"], c.dense_taken)
         add_sample(families[P2P_DENSE], ["given"], c.dense_given)
+        add_sample(families[P2P_DENSE], ["failed"], c.dense_failed)
     yield from families.values()
     if syncs:
         yield P2P_PEERS.single(len(syncs[0].members))
@@ -282,11 +297,15 @@ class _Counters:
     applied: int = 0
     skipped: int = 0
     held: int = 0
+    capped: int = 0
+    """Updates that carried only ``max_update_bytes`` of their codes (the rest went with later ones)."""
     """Steps whose change waited for a later update: a link was still busy with earlier ones (flow control)."""
     resends_asked: int = 0
     resent: int = 0
     dense_taken: int = 0
     dense_given: int = 0
+    dense_failed: int = 0
+    """Dense copies asked for that did not come (timed out, or the peer was gone)."""
     lost_own: int = 0
     """Own updates a dense copy lacked that were no longer kept to re-apply."""
     bytes_sent: int = 0
@@ -324,6 +343,8 @@ class P2PSync:
         """Inner steps taken since the last update was coded."""
         self.steps = 0
         self._coded: list[CompressedTensor] = []
+        self._cap_from = 0
+        """The weight index the next capped update's codes start from."""
         """Own updates coded on the worker thread, applied and sent by :meth:`sync` on the loop."""
         self.seq = 0
         self._own: deque[tuple[int, str, np.ndarray]] = deque()
@@ -346,6 +367,8 @@ class P2PSync:
         self.heard: dict[str, float] = {}
         self.announced: dict[str, int] = {}
         """origin -> the sent count its last :class:`Ledger` announced."""
+        self._kept_from: dict[str, int] = {}
+        """origin -> the oldest of its updates it still keeps, as its latest :class:`Ledger` said."""
         self._left: dict[str, int] = {}
         """peer address -> this peer's sent count when its link to that peer was last found idle (what a
         :class:`Ledger` to it announces)."""
@@ -353,6 +376,10 @@ class P2PSync:
         """(origin, seq) -> resends asked for it so far."""
         self._missing_before: set[tuple[str, int]] = set()
         self._last_copy = -1e9
+        self._copy_wait = DENSE_COPY_COOLDOWN_S
+        """Seconds from the last dense copy (taken or failed) to the next: longer after a failed one."""
+        self._copying: asyncio.Task[bool] | None = None
+        """The dense copy being fetched (beside the inbox, which goes on receiving meanwhile)."""
         self._sketcher: CountSketch | None = None
         """Built at the first :class:`SketchRequest` and kept: the job asks with the same seed and k every time."""
         self.inbox: ActorRef | None = None
@@ -385,8 +412,23 @@ class P2PSync:
                 self.counters.held += 1  # the next update carries this step's change too
                 return
             self.inner = 0
-            change = self.store.view(P2P_SEGMENT) - self.base
-            self._coded.append(self.codec.compress(change))  # the residual stays in the codec
+            self._coded.append(self._code(self.store.view(P2P_SEGMENT) - self.base))
+
+    def _code(self, change: NDArray[np.float32]) -> CompressedTensor:
+        """Worker thread: the next update coding ``change`` (what the codec leaves out stays in its residual).
+
+        A threshold update carries at most ``max_update_bytes`` of codes: those of the weights from where the last
+        capped one ended on (round-robin); the other weights that reached ``tau`` keep it in the residual for the
+        next updates. (Adagrad's first steps move nearly every weight past ``tau``: uncapped, one update is the size
+        of the model, and on a slow link it holds back everything behind it for as long as it takes.)"""
+        codec = self.codec
+        if not isinstance(codec, ThresholdCodec):
+            return codec.compress(change)
+        coded, nxt = codec.compress_capped(change, max(1, self.spec.max_update_bytes // 4), self._cap_from)
+        if nxt != self._cap_from:
+            self._cap_from = nxt
+            self.counters.capped += 1
+        return coded
 
     def _links_busy(self) -> bool:
         """Worker thread: a live peer this one sends its updates to has more than ``max_unsent_bytes`` from it
@@ -449,7 +491,7 @@ class P2PSync:
     async def flush(self) -> None:
         if self.inner >= self.spec.local_steps:  # steps flow control held back: their change goes now
             self.inner = 0
-            self._coded.append(self.codec.compress(self.store.view(P2P_SEGMENT) - self.base))
+            self._coded.append(self._code(self.store.view(P2P_SEGMENT) - self.base))
         await self.sync(0)
 
     def relinked(self, layers: nn.Module) -> WeightSync:
@@ -481,6 +523,10 @@ class P2PSync:
         self._closed = True
         if self.inbox is not None:
             self.inbox = None
+        copying, self._copying = self._copying, None
+        if copying is not None and not copying.done():
+            copying.cancel()
+            await asyncio.gather(copying, return_exceptions=True)
 
     # -- start: the inbox, and a late joiner's dense copy -----------------------------------
     async def _start(self) -> None:
@@ -626,6 +672,7 @@ class P2PSync:
     def on_ledger(self, msg: Ledger) -> None:
         self._heard_from(msg.origin.partition("#")[0])
         self.announced[msg.origin] = max(self.announced.get(msg.origin, 0), msg.sent)
+        self._kept_from[msg.origin] = max(self._kept_from.get(msg.origin, 1), msg.kept_from)
         got = self.ledger.setdefault(msg.origin, _Received())
         got.high = max(got.high, msg.sent)
 
@@ -666,17 +713,28 @@ class P2PSync:
             sketcher = self._sketcher = CountSketch(self.n, msg.k, msg.seed)
         return Sketch(self.me, sketcher(self.w), self.steps, self.origin, self.seq, self._ledger_of_weights())
 
+    def _copy_seconds(self) -> float:
+        """What a dense copy is given: ``DENSE_TIMEOUT_S`` and the time its size takes at ``DENSE_MIN_RATE``."""
+        return DENSE_TIMEOUT_S + 4 * self.n / DENSE_MIN_RATE
+
     async def _copy_from(self, peer: ActorRef) -> bool:
-        """Take ``peer``'s shared weights and ledger; re-apply own updates the copy lacks. False if it failed."""
+        """Take ``peer``'s shared weights and ledger; re-apply own updates the copy lacks. False if it failed.
+
+        Updates received while the copy was on its way and not in it are missing again afterwards (the ledger is
+        the copy's, their seqs are known): the tick asks for them like any other."""
         try:
-            reply = await peer.ask(DenseRequest(), timeout=DENSE_TIMEOUT_S)
+            reply = await peer.ask(DenseRequest(), timeout=self._copy_seconds())
         except ActorError as exc:
             log.info("peer %s: no dense copy from %s: %s", self.me, peer, exc)
+            self.counters.dense_failed += 1
             return False
         if not isinstance(reply, DenseCopy) or reply.values.shape != (self.n,):
             log.warning("peer %s: %s answered a dense copy request with %r", self.me, peer, type(reply).__name__)
             return False
+        if self._closed:
+            return False
         self._last_copy = self.ctx.clock()
+        self._copy_wait = DENSE_COPY_COOLDOWN_S
         highs = {o: r.high for o, r in self.ledger.items()}
         np.copyto(self.w, reply.values)
         self.ledger = {o: _Received.from_wire(entry) for o, entry in reply.ledger.items()}
@@ -720,20 +778,29 @@ class P2PSync:
             # update it counts, and the peer would ask again for what is only still on its way
             if ref.unsent_bytes() <= self.spec.max_unsent_bytes:
                 self._left[address] = self.seq
-            self._tell(ref, Ledger(self.origin, self._left.get(address, 0)))
+            self._tell(ref, Ledger(self.origin, self._left.get(address, 0), self._own[0][0] if self._own else 1))
+        copying = self._copying
+        if copying is not None:
+            if not copying.done():
+                return  # a dense copy is on its way: it changes what is missing
+            self._copying = None
+            if not copying.cancelled() and copying.exception() is not None:
+                log.error("peer %s: a dense copy failed", self.me, exc_info=copying.exception())
         missing = {(o, s) for o, r in self.ledger.items() if self._alive_origin(o) and o != self.origin
                    for s in r.missing()}
         now = self.ctx.clock()
-        stuck = [origin for origin, seq in missing if self._asked.get((origin, seq), 0) >= RESENDS_BEFORE_COPY]
-        if (len(missing) > self.spec.max_lag or stuck) and now - self._last_copy >= DENSE_COPY_COOLDOWN_S:
+        patience = max(2, round(RESEND_PATIENCE_S / self.spec.tick_s))
+        stuck = [origin for origin, seq in missing
+                 if seq < self._kept_from.get(origin, 1) or self._asked.get((origin, seq), 0) >= patience]
+        if (len(missing) > self.spec.max_lag or stuck) and now - self._last_copy >= self._copy_wait:
             counts: dict[str, int] = {}
             for origin, _ in missing:
                 counts[origin] = counts.get(origin, 0) + 1
             source = stuck[0] if stuck else max(counts, key=lambda o: counts[o])
-            log.info("peer %s: %d updates missing (%d after resends): a dense copy from %s", self.me, len(missing),
-                     len(stuck), source)
-            if await self._copy_from_neighbour(source.partition("#")[0]):
-                return
+            log.info("peer %s: %d updates missing (%d no longer kept or asked for too long): a dense copy from %s",
+                     self.me, len(missing), len(stuck), source)
+            self._copying = asyncio.ensure_future(self._copy_from_neighbour(source.partition("#")[0]))
+            return
         ask: dict[str, list[int]] = {}
         for origin, seq in sorted(missing & self._missing_before):  # missing for a whole tick: not in flight
             ask.setdefault(origin, []).append(seq)
@@ -746,13 +813,17 @@ class P2PSync:
                     self.counters.resends_asked += len(seqs)
 
     async def _copy_from_neighbour(self, first: str) -> bool:
-        """A dense copy from ``first`` (the origin missed most: its copy holds all its own updates), else another."""
+        """A dense copy from ``first`` (the origin missed most: its copy holds all its own updates), else from one
+        other peer. After a failure the next copy waits as long as one is given (its late reply still fills the
+        link it asked over)."""
         others = [a for a in self._refs if a != first]
         random.shuffle(others)
-        for address in [first, *others] if first in self._refs else others:
-            if await self._copy_from(self._refs[address]):
+        for address in ([first, *others] if first in self._refs else others)[:2]:
+            ref = self._refs.get(address)
+            if ref is not None and await self._copy_from(ref):
                 return True
         self._last_copy = self.ctx.clock()
+        self._copy_wait = self._copy_seconds()
         return False
 
     def report(self) -> dict[str, Any]:

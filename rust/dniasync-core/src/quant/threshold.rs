@@ -130,6 +130,64 @@ impl ThresholdEncoder {
         encode_kernel(&mut self.residual, grad, self.tau, out);
         Ok(())
     }
+
+    /// Like [`encode`](Self::encode), but emits at most `max_codes` codes: those of the
+    /// elements that reached `±tau` from index `start` on, wrapping past the end to index 0
+    /// (round-robin when `start` follows the last call's codes). The other elements keep
+    /// `±tau` in their residual and are coded by a later call. The codes stay in ascending
+    /// index order. Returns the index a next call starts from (one past the last code in
+    /// the wrapped order), or `start` when nothing was left out.
+    pub fn encode_capped(
+        &mut self,
+        grad: &[f32],
+        max_codes: usize,
+        start: usize,
+        out: &mut Vec<u32>,
+    ) -> Result<usize> {
+        self.encode(grad, out)?;
+        if out.len() <= max_codes {
+            return Ok(start);
+        }
+        let index = |c: u32| (c & !SIGN_BIT) as usize;
+        let first = out.partition_point(|&c| index(c) < start);
+        let (low, high) = out.split_at(first);
+        let wrapped = high.len() < max_codes;
+        let mut kept: Vec<u32> = Vec::with_capacity(max_codes);
+        if wrapped {
+            kept.extend_from_slice(&low[..max_codes - high.len()]);
+            kept.extend_from_slice(high);
+        } else {
+            kept.extend_from_slice(&high[..max_codes]);
+        }
+        let next = if wrapped {
+            index(low[max_codes - high.len() - 1]) + 1
+        } else {
+            index(high[max_codes - 1]) + 1
+        };
+        let left = if wrapped {
+            &low[max_codes - high.len()..]
+        } else {
+            // codes past the window, then the ones before `start`
+            let (_, past) = high.split_at(max_codes);
+            for &c in past {
+                self.residual[index(c)] += if c & SIGN_BIT != 0 {
+                    -self.tau
+                } else {
+                    self.tau
+                };
+            }
+            low
+        };
+        for &c in left {
+            self.residual[index(c)] += if c & SIGN_BIT != 0 {
+                -self.tau
+            } else {
+                self.tau
+            };
+        }
+        *out = kept;
+        Ok(next)
+    }
 }
 
 fn check_tau(tau: f32) -> Result<()> {
