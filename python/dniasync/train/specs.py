@@ -263,7 +263,7 @@ class P2PSpec:
     """Payload bytes of its own latest updates a peer keeps, to resend them and to re-apply them after a dense copy."""
     max_update_bytes: int = 256 << 10
     """A threshold update carries at most this many bytes of codes (64Ki weights); the others go with the next
-    ones. (The MLP 784-256-256-10's updates at ``tau`` 0.006 are ~50 KB; its first Adagrad step codes 1 MB.)"""
+    ones (``[sync] max_update_bytes``)."""
 
 
 @message("dniasync.train.ReplicaSpec")
