@@ -94,6 +94,12 @@ With one per 2 replicas the shards saturated: 4 replicas ran at 1.19x the sample
 and 0.15 of a core each at 4 and 8 replicas) could not answer the coordinator's weight snapshots within 10 s."""
 NODES_FOR = {"cnn:100mbit": [1, 8]}
 """The CNN's gradients are 0.8 MB (the MLP's 23 MB): on the slow link only its end points, for the 8-node ratios."""
+PIPELINE_CODEC = "int8"
+"""Replicated pipelines' pushes to their stages' PS shards and the shards' answers to their pulls (``pipeline.codec``):
+blockwise 8-bit, a quarter of the dense bytes. Without it every stage replica pushed and pulled its dense weights
+every step and the PS links saturated: SpecTrain x Downpour on the MLP ran at 287 and 326 samples/s at 4 and 8 nodes
+(1 Gbit/s) against 1,507 at 2 (one pipeline, no PS). ``threshold`` cost DNI x Downpour 13-15 points in 10 epochs
+(tau 0.002 and 0.01, with its PS shards' Adam); int8 0.3."""
 RUN_CAP_S = 300.0
 """A dniasync run stops after this many real seconds even before its sample budget (a replicated DNI x Downpour
 pipeline at 8 nodes pushes its stages' dense weights every step: 15 GB for the MLP's budget)."""
@@ -158,7 +164,7 @@ def job(system: str, model: str, nodes: int, out: Path, epochs: int) -> dict[str
         pipeline = doc["pipeline"]
         pipeline["groups"] = GROUPS[model][s]
         if r > 1:
-            pipeline.update(replicas=r, n_fetch=1, n_push=1)
+            pipeline.update(replicas=r, n_fetch=1, n_push=1, codec=PIPELINE_CODEC)
         else:
             for key in ("replicas", "n_fetch", "n_push"):
                 pipeline.pop(key, None)

@@ -193,3 +193,28 @@ def test_the_pipeline_sync_follows_its_replicas() -> None:
     with pytest.raises(ConfigError, match="'pipeline.lr_decay' does not apply with sync.kind 'ps'") as err:
         parse_config(with_(replicated, "pipeline.lr_decay", "linear"))
     assert err.value.key == "pipeline.lr_decay"
+
+
+def test_a_codec_compresses_the_stages_pushes_to_their_ps_shards_only() -> None:
+    """``pipeline.codec``: with PS shards (replicated pipelines), as downpour.codec; tau is its threshold."""
+    replicated = with_(base(), "pipeline.replicas", 2)
+    config = parse_config(with_(with_(replicated, "pipeline.codec", "threshold"), "pipeline.tau", 0.02))
+    assert (config.settings.codec, config.settings.tau, config.sync_kind) == ("threshold", 0.02, "ps")
+    assert parse_config(config.to_dict()) == config
+    assert parse_config(with_(replicated, "pipeline.codec", "int8")).settings.codec == "int8"
+    with pytest.raises(ConfigError, match="missing required key 'pipeline.tau' .*pipeline.codec 'threshold'") as err:
+        parse_config(with_(replicated, "pipeline.codec", "threshold"))
+    assert err.value.key == "pipeline.tau"
+    with pytest.raises(ConfigError, match="'pipeline.codec' applies only with PS shards .* sync.kind is 'local'") as err:
+        parse_config(with_(base(), "pipeline.codec", "int8"))  # one pipeline: nothing is pushed
+    assert err.value.key == "pipeline.codec"
+    with pytest.raises(ConfigError, match="'pipeline.tau' applies only with sync.kind 'p2p' or pipeline.codec "
+                                          "'threshold'") as err:
+        parse_config(with_(with_(replicated, "pipeline.codec", "int8"), "pipeline.tau", 0.02))
+    assert err.value.key == "pipeline.tau"
+    with pytest.raises(ConfigError, match="'regroup.enabled' does not apply with pipeline.codec 'int8'") as err:
+        parse_config(with_(with_(replicated, "pipeline.codec", "int8"), "regroup", {"enabled": True}))
+    assert err.value.key == "regroup.enabled"
+    with pytest.raises(ConfigError, match="pipeline.codec") as err:
+        parse_config(with_(replicated, "pipeline.codec", "zstd"))
+    assert err.value.key == "pipeline.codec"

@@ -307,3 +307,5 @@ class StagesSpec:
     """With ``replicas > 1`` and ``sync.kind = "p2p"``: each hosted stage's peers (that stage in the other pipelines)."""
     ps_copies: int = 1
     """Copies of each stage's PS shard (``[pipeline] ps_replicas``): a stage reaches them as one chain."""
+    codec: CodecSpec = field(default_factory=CodecSpec)
+    """With PS shards: how the hosted stages' pushes and pulls are compressed (``[pipeline] codec``)."""

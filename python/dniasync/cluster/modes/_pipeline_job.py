@@ -30,7 +30,7 @@ from ...train.messages import Params, Progress, Pull, Reshard, ShardSnapshot, Sn
 from ...train.specs import CodecSpec, OptimizerSpec, P2PSpec, PSLinkSpec, ShardSpec, StagesSpec
 from .._schema import ConfigError
 from ..mode_api import JobFailed, Snapshot
-from ..plan import data_spec, model_spec, optimizer_spec, schedule_spec
+from ..plan import codec_spec, data_spec, model_spec, optimizer_spec, schedule_spec
 from ..protocol import Assignment, JoinJob, NoJob, Ready
 from ..report import EVENT_BATCH_SIZE, RunReport
 from ..shards import ShardKeeper
@@ -204,7 +204,12 @@ class PipelineJob:
         if not self.config.sync_needs_ps:
             return []
         opt = optimizer_spec(self.config)
-        return [ShardSpec(k, 0, buffer.copy(), opt, CodecSpec()) for k, buffer in enumerate(self.eval_buffers)]
+        return [ShardSpec(k, 0, buffer.copy(), opt, self.codec) for k, buffer in enumerate(self.eval_buffers)]
+
+    @property
+    def codec(self) -> CodecSpec:
+        """``[pipeline] codec``: the stages' pushes to their PS shards and the shards' answers to their pulls."""
+        return codec_spec(self.p.codec, self.p.tau, 256)
 
     def shard_keeper(self, specs: list[ShardSpec], event: Any, *, lost_after_s: float,
                      samples: Any) -> ShardKeeper:
@@ -240,6 +245,7 @@ class PipelineJob:
             self.model_spec, [list(g) for g in self.groups], groups, pipeline, self.p.replicas,
             self.stage_settings(), self.in_features, self.schedule.stage_mailbox_size(), ps,
             self.p.n_fetch, self.p.n_push, [self._p2p_spec(k) for k in groups] if self.p2p else [], copies,
+            self.codec,
         ))
 
     # -- p2p: the replicas of a stage are its peers -------------------------------------
@@ -817,7 +823,8 @@ async def host_stages(host: Host, spec: StagesSpec) -> list[ActorRef]:
         if spec.p2p:  # the stage's replicas send each other their updates: its sync is built with it, as its actor
             peers = (spec.p2p[i], sync.SyncContext(name, time.time_ns() // 1000, optimizer, ask_timeout_s=30.0))
         elif spec.replicas > 1:  # the stage's replicas share its weights through its PS shard (or its copies' chain)
-            link = PSLinkSpec(spec.ps[i * spec.ps_copies:(i + 1) * spec.ps_copies], [0], spec.n_fetch, spec.n_push)
+            link = PSLinkSpec(spec.ps[i * spec.ps_copies:(i + 1) * spec.ps_copies], [0], spec.n_fetch, spec.n_push,
+                              spec.codec)
             params = sync.build_sync(link, stages[k].layers, sync.SyncContext(
                 f"{name}@{host.system.node}", time.time_ns() // 1000, optimizer, ask_timeout_s=30.0))
         refs.append(await host.spawn(pipeline_module.Stage, *stages[k].args(), **stages[k].kwargs(), params=params,

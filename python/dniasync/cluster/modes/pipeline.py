@@ -95,10 +95,15 @@ class PipelineConfig(Section, frozen=True):
         "with PS shards: copies of each stage's PS shard, each in a PS process of its own, chain-replicated as "
         "downpour.ps_replicas: a stage's push is acknowledged once every live copy applied it, and a copy's death "
         "loses no acknowledged push. 1: one copy, restarted from the last snapshot"))] = 1
+    codec: Annotated[Literal["none", "threshold", "onebit", "int8"], Meta(description=(
+        "with PS shards: how a stage replica's pushed gradients are compressed, and its pulls answered (quantized "
+        "parameter deltas, every 100th pull dense), as downpour.codec: `threshold` (Strom), `onebit` (1-bit SGD), "
+        "`int8` (blockwise 8-bit, blocks of 256); `none`: dense float32 both ways"))] = "none"
     tau: Annotated[float, Meta(gt=0.0, description=(
-        "with sync.kind `p2p` (required there): the threshold of the stage replicas' quantized updates, in weight "
-        "units (+-tau per element whose accumulated change reached tau, the rest kept in the sender's residual)"))
-    ] | None = None
+        "the threshold of the threshold codec: with sync.kind `p2p` (required there) of the stage replicas' "
+        "quantized updates, in weight units (+-tau per element whose accumulated change reached tau, the rest kept "
+        "in the sender's residual); with PS shards and codec `threshold` (required there) of the pushed "
+        "gradients"))] | None = None
     placement: Annotated[tuple[int, ...], Meta(description=(
         "the worker (0, 1, ...) hosting each stage of a pipeline (default one worker per stage); every worker from 0 "
         "to the largest must host a stage. Worker processes: (largest + 1) x replicas"))] | None = None
@@ -195,13 +200,13 @@ class _Pipeline:
         if config.regroup.enabled and len(p.groups) < 2:
             raise ConfigError("'regroup.enabled' needs at least 2 stages in pipeline.groups", "regroup.enabled")
         kind = config.sync_kind
-        if "tau" in raw.get("pipeline", {}) and kind != "p2p":
-            raise ConfigError(f"'pipeline.tau' applies only with sync.kind 'p2p'; sync.kind is {kind!r}",
-                              "pipeline.tau")
+        if "tau" in raw.get("pipeline", {}) and kind != "p2p" and p.codec != "threshold":
+            raise ConfigError(f"'pipeline.tau' applies only with sync.kind 'p2p' or pipeline.codec 'threshold'; "
+                              f"sync.kind is {kind!r}, pipeline.codec {p.codec!r}", "pipeline.tau")
         if kind == "p2p":
             _check_p2p(config)
         if not config.sync_needs_ps:
-            for key in ("n_fetch", "n_push", "ps_replicas"):
+            for key in ("n_fetch", "n_push", "ps_replicas", "codec"):
                 if key in raw.get("pipeline", {}):
                     raise ConfigError(f"'pipeline.{key}' applies only with PS shards (sync.kind 'ps', with "
                                       f"pipeline.replicas > 1); sync.kind is {kind!r}", f"pipeline.{key}")
@@ -209,6 +214,13 @@ class _Pipeline:
             if p.lr_decay != "none":
                 raise ConfigError(f"'pipeline.lr_decay' does not apply with sync.kind {kind!r}: the PS shards apply "
                                   "the optimizer", "pipeline.lr_decay")
+            if p.codec != "none" and config.regroup.enabled:
+                raise ConfigError(f"'regroup.enabled' does not apply with pipeline.codec {p.codec!r}: moving layers "
+                                  "re-cuts the stages' PS shards, and the codecs' residuals with them",
+                                  "regroup.enabled")
+            if p.codec == "threshold" and p.tau is None:
+                raise ConfigError("missing required key 'pipeline.tau' (the threshold of the pushed gradients, "
+                                  "pipeline.codec 'threshold')", "pipeline.tau")
             if p.ps_replicas > 1 and config.regroup.enabled:
                 raise ConfigError(f"'regroup.enabled' does not apply with pipeline.ps_replicas = {p.ps_replicas}: "
                                   "moving layers re-cuts the stages' PS shards, and their copies' chains cannot be "
