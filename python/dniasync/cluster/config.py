@@ -287,7 +287,7 @@ class SyncConfig(Section, frozen=True):
     """How the trainers share their weights, and the outer optimizer of local steps (DiLoCo)."""
 
     kind_only: ClassVar[dict[str, tuple[str, ...]]] = {"fanout": ("p2p",), "max_lag": ("p2p",),
-                                                        "max_update_bytes": ("p2p",)}
+                                                        "update_cap_bytes": ("p2p",)}
     """key -> the kinds it applies to (checked against the kind in force, written or the mode's default)."""
 
     kind: Annotated[SyncName, Meta(description=(
@@ -312,11 +312,13 @@ class SyncConfig(Section, frozen=True):
         "the outer step's Nesterov momentum (DiLoCo's: 0.9; see outer_lr)"))] = 0.0
     fanout: Annotated[int, Meta(ge=0, description="peers each update goes to (gossip); 0: every peer")] = 0
     max_lag: Annotated[int, Meta(ge=1, description="a peer this many updates behind takes a dense copy")] = 16
-    max_update_bytes: Annotated[int, Meta(ge=4, description=(
-        "a threshold update carries at most this many bytes of codes (4 per weight), those of the weights from "
-        "where the last capped one ended on; the other weights keep their tau in the residual for the next "
-        "updates. Keeps one update from filling a slow link (Adagrad's first steps move nearly every weight past "
-        "tau: uncapped, an update is the size of the model)"))] = 256 << 10
+    update_cap_bytes: Annotated[int, Meta(ge=4, description=(
+        "the first cap on a threshold update's codes (4 bytes per weight), and the least it falls to: an update "
+        "carries the codes of the weights from where the last capped one ended, up to the cap; the others keep "
+        "their tau in the residual for the next updates. The cap doubles with each update coded while the peer's "
+        "links keep up (to the whole model) and halves with each step held because one is busy. Keeps one update "
+        "from filling a slow link (Adagrad's first steps move nearly every weight past tau: uncapped, an update is "
+        "the size of the model)"))] = 256 << 10
 
 
 _COMMON: Final[dict[str, type[Section]]] = {

@@ -261,9 +261,9 @@ class P2PSpec:
     update. (A quarter of a second of a 10 Mbit/s link.)"""
     keep_bytes: int = 32 << 20
     """Payload bytes of its own latest updates a peer keeps, to resend them and to re-apply them after a dense copy."""
-    max_update_bytes: int = 256 << 10
-    """A threshold update carries at most this many bytes of codes (64Ki weights); the others go with the next
-    ones (``[sync] max_update_bytes``)."""
+    update_cap_bytes: int = 256 << 10
+    """The least a threshold update may carry when its links are slow (``[sync] update_cap_bytes``; the cap doubles
+    while they keep up: :meth:`~dniasync.train.sync.p2p.P2PSync._code`)."""
 
 
 @message("dniasync.train.ReplicaSpec")

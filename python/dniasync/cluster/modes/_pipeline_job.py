@@ -253,7 +253,7 @@ class PipelineJob:
         """Stage ``k``'s sync: the inboxes of its replicas placed so far (the rest are told as they come)."""
         sync = self.config.sync
         return P2PSpec(self._stage_inboxes(k), self._peers_epoch, "threshold", self.p.tau or 1e-3, sync.fanout,
-                       sync.max_lag, max_update_bytes=sync.max_update_bytes)
+                       sync.max_lag, update_cap_bytes=sync.update_cap_bytes)
 
     def _stage_inboxes(self, k: int) -> list[ActorRef]:
         return [inbox_of(self.runner.system, ref) for row in self.refs for ref in [row[k]] if ref is not None]

@@ -124,7 +124,7 @@ class _P2PJob(DataParallelJob):
         s, sync = self.settings, self.config.sync
         return P2PSpec([self._inbox(r) for _, r in live], self.epoch, s.codec, s.tau or 1e-3, sync.fanout,
                        sync.max_lag, sync.local_steps, sync.outer_lr, sync.outer_momentum,
-                       warm=any(r.steps > 0 for _, r in live), max_update_bytes=sync.max_update_bytes)
+                       warm=any(r.steps > 0 for _, r in live), update_cap_bytes=sync.update_cap_bytes)
 
     def _tell_peers(self, *, changed: bool) -> None:
         if changed:

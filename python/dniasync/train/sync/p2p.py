@@ -298,7 +298,7 @@ class _Counters:
     skipped: int = 0
     held: int = 0
     capped: int = 0
-    """Updates that carried only ``max_update_bytes`` of their codes (the rest went with later ones)."""
+    """Updates that carried only the cap's bytes of their codes (the rest went with later ones; see ``_code``)."""
     """Steps whose change waited for a later update: a link was still busy with earlier ones (flow control)."""
     resends_asked: int = 0
     resent: int = 0
@@ -345,6 +345,8 @@ class P2PSync:
         self._coded: list[CompressedTensor] = []
         self._cap_from = 0
         """The weight index the next capped update's codes start from."""
+        self._cap = spec.update_cap_bytes
+        """The most bytes of codes the next update carries (see :meth:`_code`)."""
         """Own updates coded on the worker thread, applied and sent by :meth:`sync` on the loop."""
         self.seq = 0
         self._own: deque[tuple[int, str, np.ndarray]] = deque()
@@ -410,21 +412,26 @@ class P2PSync:
         if self.inner >= self.spec.local_steps:
             if self._links_busy():
                 self.counters.held += 1  # the next update carries this step's change too
+                self._cap = max(self.spec.update_cap_bytes, self._cap // 2)
                 return
             self.inner = 0
             self._coded.append(self._code(self.store.view(P2P_SEGMENT) - self.base))
+            self._cap = min(2 * self._cap, 4 * self.n)  # the links took the last update in time: a larger next
 
     def _code(self, change: NDArray[np.float32]) -> CompressedTensor:
         """Worker thread: the next update coding ``change`` (what the codec leaves out stays in its residual).
 
-        A threshold update carries at most ``max_update_bytes`` of codes: those of the weights from where the last
-        capped one ended on (round-robin); the other weights that reached ``tau`` keep it in the residual for the
-        next updates. (Adagrad's first steps move nearly every weight past ``tau``: uncapped, one update is the size
-        of the model, and on a slow link it holds back everything behind it for as long as it takes.)"""
+        A threshold update carries at most the cap's bytes of codes: those of the weights from where the last capped
+        one ended on (round-robin); the other weights that reached ``tau`` keep it in the residual for the next
+        updates. The cap follows the links: it starts at ``update_cap_bytes``, doubles with each update coded while
+        they were idle (up to the whole model), and halves, to no less than ``update_cap_bytes``, with each step
+        held because one was busy. (Adagrad's first steps move nearly every weight past ``tau``: uncapped, the first
+        update is the size of the model, and on a slow link it holds back everything behind it for as long as it
+        takes; a fixed small cap, on a fast link, keeps the shared copy far behind what the peers learn.)"""
         codec = self.codec
         if not isinstance(codec, ThresholdCodec):
             return codec.compress(change)
-        coded, nxt = codec.compress_capped(change, max(1, self.spec.max_update_bytes // 4), self._cap_from)
+        coded, nxt = codec.compress_capped(change, max(1, self._cap // 4), self._cap_from)
         if nxt != self._cap_from:
             self._cap_from = nxt
             self.counters.capped += 1
