@@ -41,7 +41,8 @@ out:
   answering the others' requests meanwhile (two peers asking each other for
   a copy must not wait on each other); it gets ``DENSE_TIMEOUT_S`` plus the
   time its size takes at ``DENSE_MIN_RATE`` bytes/s, and after a copy that
-  failed the next waits that long again (a late reply still fills the link);
+  timed out the next waits that transfer time (a late reply still fills the
+  link);
 - a peer never waits for another: sends are ``tell_nowait`` (a full outbox
   drops the update, counted), and nothing is sent to a peer silent for
   ``silent_s``: no message of its own and nothing at all on the link from its
@@ -85,7 +86,7 @@ from numpy.typing import NDArray
 from prometheus_client.metrics_core import Metric
 from torch import nn
 
-from ...actors import Actor, ActorError, ActorRef, ActorSystem, handler, message
+from ...actors import Actor, ActorError, ActorRef, ActorSystem, AskTimeout, handler, message
 from ...metrics import Tracker, add_sample, track
 from ..compression import CompressedTensor, ThresholdCodec, make_codec
 from ..flat import FlatModel, flatten_parameters
@@ -297,9 +298,9 @@ class _Counters:
     applied: int = 0
     skipped: int = 0
     held: int = 0
+    """Steps whose change waited for a later update: a link was still busy with earlier ones (flow control)."""
     capped: int = 0
     """Updates that carried only the cap's bytes of their codes (the rest went with later ones; see ``_code``)."""
-    """Steps whose change waited for a later update: a link was still busy with earlier ones (flow control)."""
     resends_asked: int = 0
     resent: int = 0
     dense_taken: int = 0
@@ -343,11 +344,11 @@ class P2PSync:
         """Inner steps taken since the last update was coded."""
         self.steps = 0
         self._coded: list[CompressedTensor] = []
+        """Own updates coded on the worker thread, applied and sent by :meth:`sync` on the loop."""
         self._cap_from = 0
         """The weight index the next capped update's codes start from."""
         self._cap = spec.update_cap_bytes
         """The most bytes of codes the next update carries (see :meth:`_code`)."""
-        """Own updates coded on the worker thread, applied and sent by :meth:`sync` on the loop."""
         self.seq = 0
         self._own: deque[tuple[int, str, np.ndarray]] = deque()
         self._own_bytes = 0
@@ -728,12 +729,15 @@ class P2PSync:
         """Take ``peer``'s shared weights and ledger; re-apply own updates the copy lacks. False if it failed.
 
         Updates received while the copy was on its way and not in it are missing again afterwards (the ledger is
-        the copy's, their seqs are known): the tick asks for them like any other."""
+        the copy's, their seqs are known): the tick asks for them like any other. A copy that timed out may still
+        come, filling the link it was asked over: the next waits the time its size takes there."""
         try:
             reply = await peer.ask(DenseRequest(), timeout=self._copy_seconds())
         except ActorError as exc:
             log.info("peer %s: no dense copy from %s: %s", self.me, peer, exc)
             self.counters.dense_failed += 1
+            if isinstance(exc, AskTimeout):
+                self._copy_wait = max(self._copy_wait, DENSE_COPY_COOLDOWN_S + 4 * self.n / DENSE_MIN_RATE)
             return False
         if not isinstance(reply, DenseCopy) or reply.values.shape != (self.n,):
             log.warning("peer %s: %s answered a dense copy request with %r", self.me, peer, type(reply).__name__)
@@ -797,8 +801,11 @@ class P2PSync:
                    for s in r.missing()}
         now = self.ctx.clock()
         patience = max(2, round(RESEND_PATIENCE_S / self.spec.tick_s))
+        # not kept: missing for a whole tick too (with fanout an update can come by another peer after its origin's
+        # ledger), and older than what its origin keeps
         stuck = [origin for origin, seq in missing
-                 if seq < self._kept_from.get(origin, 1) or self._asked.get((origin, seq), 0) >= patience]
+                 if ((origin, seq) in self._missing_before and seq < self._kept_from.get(origin, 1))
+                 or self._asked.get((origin, seq), 0) >= patience]
         if (len(missing) > self.spec.max_lag or stuck) and now - self._last_copy >= self._copy_wait:
             counts: dict[str, int] = {}
             for origin, _ in missing:
@@ -820,17 +827,16 @@ class P2PSync:
                     self.counters.resends_asked += len(seqs)
 
     async def _copy_from_neighbour(self, first: str) -> bool:
-        """A dense copy from ``first`` (the origin missed most: its copy holds all its own updates), else from one
-        other peer. After a failure the next copy waits as long as one is given (its late reply still fills the
-        link it asked over)."""
+        """A dense copy from ``first`` (the origin missed most: its copy holds all its own updates), else from another
+        peer. If none gave one the next try comes after the cooldown, or after a timed-out copy's transfer time."""
         others = [a for a in self._refs if a != first]
         random.shuffle(others)
-        for address in ([first, *others] if first in self._refs else others)[:2]:
+        self._copy_wait = DENSE_COPY_COOLDOWN_S
+        for address in [first, *others] if first in self._refs else others:
             ref = self._refs.get(address)
             if ref is not None and await self._copy_from(ref):
                 return True
         self._last_copy = self.ctx.clock()
-        self._copy_wait = self._copy_seconds()
         return False
 
     def report(self) -> dict[str, Any]:
