@@ -153,6 +153,10 @@ class ParamStore:
         ``"reject"`` policy the gradient is scanned first and a NaN/Inf raises
         NonFiniteGradientError, leaving the store untouched.
         """
+    def step_into(self, segment: str, grad: NDArray[np.float32], lr: float, out: NDArray[np.float32]) -> int:
+        """``step``, the parameters left as they are: ``out`` receives the change the step would make to each
+        (the new value, rounded as ``step`` rounds it, minus the old) and the optimizer state advances as ``step``
+        advances it; return the version, unchanged. ``out``: float32, contiguous, the segment's length."""
     def step_spans(self, segment: str, spans: NDArray[np.uint32], values: NDArray[np.float32], lr: float) -> int:
         """One optimizer step whose gradient is ``values`` over ``spans`` and zero elsewhere; the new version.
 

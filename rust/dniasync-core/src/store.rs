@@ -417,6 +417,32 @@ impl ParamStore {
     /// One optimizer step on segment `seg` with gradient `src` and learning rate `lr`, in a
     /// single pass over the parameters and their state. Returns the new version.
     pub fn step(&self, seg: usize, src: &mut dyn GradSource, lr: f32) -> Result<u64> {
+        self.step_to(seg, src, lr, None)
+    }
+
+    /// `step`, but the parameters stay as they are: `out` (the segment's length) receives the
+    /// change the step would make to each (its new value, rounded as `step` rounds it, minus
+    /// the old), and the optimizer state advances as `step` advances it. For a caller that
+    /// applies the change elsewhere, or in part (p2p's peers code it and apply what they sent).
+    /// Returns the version, unchanged: no parameter was written.
+    pub fn step_into(
+        &self,
+        seg: usize,
+        src: &mut dyn GradSource,
+        lr: f32,
+        out: &mut [f32],
+    ) -> Result<u64> {
+        check_len("change buffer", self.segment(seg)?.len, out.len())?;
+        self.step_to(seg, src, lr, Some(out))
+    }
+
+    fn step_to(
+        &self,
+        seg: usize,
+        src: &mut dyn GradSource,
+        lr: f32,
+        out: Option<&mut [f32]>,
+    ) -> Result<u64> {
         let s = self.segment(seg)?;
         check_len("gradient", s.len, src.len())?;
         if !(lr >= 0.0 && lr.is_finite()) {
@@ -428,7 +454,8 @@ impl ParamStore {
         let mut hp = optim::Hyper::new(&cfg, lr, gscale, t);
         hp.first_chunk = optim::first_chunk(self.ticket(), s.len);
         let w = self.cells(seg, 0)?;
-        if let Some((codes, tau)) = src.sparse() {
+        let into = out.is_some();
+        if let Some((codes, tau)) = src.sparse().filter(|_| !into) {
             if optim::sparse_ok(&cfg) {
                 let s1 = if cfg.optimizer.state_slots() > 0 {
                     Some(self.cells(seg, 1)?)
@@ -440,13 +467,16 @@ impl ParamStore {
             }
         }
         match cfg.optimizer {
-            Optimizer::Sgd => optim::sgd(w, src, &hp),
-            Optimizer::Momentum { .. } => optim::momentum(w, self.cells(seg, 1)?, src, &hp),
-            Optimizer::Nesterov { .. } => optim::nesterov(w, self.cells(seg, 1)?, src, &hp),
-            Optimizer::Adagrad { .. } => optim::adagrad(w, self.cells(seg, 1)?, src, &hp),
+            Optimizer::Sgd => optim::sgd(w, src, &hp, out),
+            Optimizer::Momentum { .. } => optim::momentum(w, self.cells(seg, 1)?, src, &hp, out),
+            Optimizer::Nesterov { .. } => optim::nesterov(w, self.cells(seg, 1)?, src, &hp, out),
+            Optimizer::Adagrad { .. } => optim::adagrad(w, self.cells(seg, 1)?, src, &hp, out),
             Optimizer::Adam { .. } => {
-                optim::adam(w, self.cells(seg, 1)?, self.cells(seg, 2)?, src, &hp)
+                optim::adam(w, self.cells(seg, 1)?, self.cells(seg, 2)?, src, &hp, out)
             }
+        }
+        if into {
+            return Ok(self.counters(seg).version.load(Ordering::Acquire));
         }
         Ok(self.bump(seg))
     }
@@ -495,8 +525,10 @@ impl ParamStore {
             let (start, n) = (pair[0] as usize, pair[1] as usize);
             let g = &mut Dense(&values[off..off + n]);
             match acc {
-                Some(acc) => optim::adagrad(&w[start..start + n], &acc[start..start + n], g, &hp),
-                None => optim::sgd(&w[start..start + n], g, &hp),
+                Some(acc) => {
+                    optim::adagrad(&w[start..start + n], &acc[start..start + n], g, &hp, None)
+                }
+                None => optim::sgd(&w[start..start + n], g, &hp, None),
             }
             off += n;
         }

@@ -138,6 +138,43 @@ proptest! {
     }
 
     #[test]
+    fn step_into_gives_the_change_of_the_step_and_leaves_the_parameters(
+        cfg in optimizers(),
+        init in vec_f32(1..3000),
+        seed_grads in prop::collection::vec(vec_f32(3000..3001), 1..4),
+        lr in 0.001f32..0.5,
+        isa in prop::sample::select(available_isas()),
+    ) {
+        with_isa(isa, || {
+            let n = init.len();
+            let (stepped, into) = (store(&[n], cfg), store(&[n], cfg));
+            let slots = cfg.optimizer.state_slots();
+            for g in &seed_grads {
+                // both start each step from the same parameters: `into` is given the stepped ones
+                let before = read(&stepped, 0, 0);
+                into.write(0, 0, &before).unwrap();
+                stepped.step_dense(0, &g[..n], lr).unwrap();
+                let version = into.version(0).unwrap();
+                let mut out = vec![f32::NAN; n];
+                prop_assert_eq!(into.step_into(0, &mut Dense(&g[..n]), lr, &mut out).unwrap(), version);
+                let after = read(&stepped, 0, 0);
+                prop_assert_eq!(read(&into, 0, 0), before.clone());  // untouched
+                for i in 0..n {
+                    prop_assert_eq!(out[i].to_bits(), (after[i] - before[i]).to_bits(), "element {}", i);
+                }
+                for slot in 1..=slots {  // the same state, to the bit
+                    let (a, b) = (read(&stepped, 0, slot), read(&into, 0, slot));
+                    prop_assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "state {}", slot);
+                }
+            }
+            prop_assert_eq!(into.steps(0).unwrap(), seed_grads.len() as u64);
+            let mut short = vec![0.0f32; n + 1];
+            prop_assert!(into.step_into(0, &mut Dense(&seed_grads[0][..n]), lr, &mut short).is_err());
+            Ok(())
+        })?;
+    }
+
+    #[test]
     fn capped_threshold_codes_at_most_max_and_keeps_the_rest_for_later(
         steps in prop::collection::vec(vec_f32(500..501), 1..5),
         tau in 0.05f32..3.0,

@@ -320,6 +320,27 @@ impl ParamStore {
         })
     }
 
+    /// `step`, the parameters left as they are: `out` (float32, contiguous, the segment's
+    /// length) receives the change the step would make to each, and the optimizer state
+    /// advances; returns the version, unchanged.
+    fn step_into(
+        &self,
+        py: Python<'_>,
+        segment: &str,
+        grad: &Bound<'_, PyAny>,
+        lr: f32,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        let seg = self.seg(segment)?;
+        let grad = readonly::<f32>(grad, "grad")?;
+        let grad = slice(&grad);
+        let mut out = readwrite::<f32>(out, "out")?;
+        let out = out.as_slice_mut().expect("contiguity checked");
+        run(py, grad.len(), || {
+            self.inner.step_into(seg, &mut Dense(grad), lr, out)
+        })
+    }
+
     /// One step with `values` over `spans` ((start, length) uint32 pairs, `[k, 2]`) and zero elsewhere.
     fn step_spans(
         &self,

@@ -203,23 +203,47 @@ impl Rule<0> for Axpy {
 }
 
 /// One rule application on the `V::N` elements at `w`, `state` and `g` (cells read and
-/// written in place; state first, then the parameter).
+/// written in place; state first, then the parameter). With a non-null `out` the parameter
+/// cells stay as they are and `out` receives the change the step makes to them (the new
+/// value, rounded as the in-place step rounds it, minus the old).
 #[inline(always)]
 unsafe fn apply_at<V: Lanes, R: Rule<S>, const S: usize>(
     c: &Consts<V>,
     w: *const AtomicU32,
     state: [*const AtomicU32; S],
     g: *const f32,
+    out: *mut f32,
 ) {
     let mut old = [V::splat(0.0); S];
     for (o, &p) in old.iter_mut().zip(&state) {
         *o = V::load_cells(p);
     }
-    let (w2, new) = R::apply(c, V::load_cells(w), old, V::load(g));
+    let w0 = V::load_cells(w);
+    let (w2, new) = R::apply(c, w0, old, V::load(g));
     for (n, &p) in new.iter().zip(&state) {
         n.store_cells(p);
     }
-    w2.store_cells(w);
+    if out.is_null() {
+        w2.store_cells(w);
+    } else {
+        w2.sub(w0).store(out);
+    }
+}
+
+/// Where a kernel's new parameters go: back into the cells (`None`), or their change into
+/// `out`, one element per cell, the cells left as they are (`step_into`).
+fn out_ptr(out: Option<&mut [f32]>, len: usize) -> *mut f32 {
+    match out {
+        Some(o) => {
+            assert_eq!(
+                o.len(),
+                len,
+                "the change buffer must have the segment's length"
+            );
+            o.as_mut_ptr()
+        }
+        None => std::ptr::null_mut(),
+    }
 }
 
 /// Runs rule `R` over the segment with registers of `V` moved straight from the cells;
@@ -230,23 +254,29 @@ unsafe fn direct<V: Lanes, R: Rule<S>, const S: usize>(
     state: [&[AtomicU32]; S],
     src: &mut dyn GradSource,
     h: &Hyper,
+    out: Option<&mut [f32]>,
 ) {
     assert!(state.iter().all(|st| st.len() == w.len()));
+    let out = out_ptr(out, w.len());
     let (c, c1) = (Consts::<V>::new(h), Consts::<f32>::new(h));
-    // The cells of `w` and of each state slot at element `i`.
-    let at = |i: usize| (w[i..].as_ptr(), state.map(|st| st[i..].as_ptr()));
+    // The cells of `w` and of each state slot at element `i`, and `out` there (null: none).
+    let at = |i: usize| {
+        let o = if out.is_null() { out } else { out.add(i) };
+        (w[i..].as_ptr(), state.map(|st| st[i..].as_ptr()), o)
+    };
     for_chunks!(w.len(), src, h.first_chunk, |s, n, g| {
         let wide = n - n % V::N;
         let mut i = 0;
         while i < wide {
-            // SAFETY: `s + i + V::N <= s + n <= w.len()`, and `g` holds `n` elements.
-            let (wp, sp) = at(s + i);
-            apply_at::<V, R, S>(&c, wp, sp, g.as_ptr().add(i));
+            // SAFETY: `s + i + V::N <= s + n <= w.len()` (`out` has that length too), and `g`
+            // holds `n` elements.
+            let (wp, sp, op) = at(s + i);
+            apply_at::<V, R, S>(&c, wp, sp, g.as_ptr().add(i), op);
             i += V::N;
         }
         while i < n {
-            let (wp, sp) = at(s + i);
-            apply_at::<f32, R, S>(&c1, wp, sp, g.as_ptr().add(i));
+            let (wp, sp, op) = at(s + i);
+            apply_at::<f32, R, S>(&c1, wp, sp, g.as_ptr().add(i), op);
             i += 1;
         }
     });
@@ -258,7 +288,16 @@ fn staged<R: Rule<S>, const S: usize>(
     state: [&[AtomicU32]; S],
     src: &mut dyn GradSource,
     h: &Hyper,
+    mut out: Option<&mut [f32]>,
 ) {
+    if let Some(o) = &out {
+        assert_eq!(
+            o.len(),
+            w.len(),
+            "the change buffer must have the segment's length"
+        );
+    }
+    let delta = out.is_some();
     // SAFETY: f32 lanes need no CPU feature.
     let c = unsafe { Consts::<f32>::new(h) };
     let mut wb = Buf::new();
@@ -275,44 +314,72 @@ fn staged<R: Rule<S>, const S: usize>(
             for (b, x) in sb.iter_mut().zip(new) {
                 b.0[i] = x;
             }
-            wb.0[i] = w2;
+            // the new value, or (into `out`) its change
+            wb.0[i] = if delta { w2 - wb.0[i] } else { w2 };
         }
         for (st, b) in state.iter().zip(&sb) {
             store_cells(&st[s..s + n], &b.0[..n]);
         }
-        store_cells(&w[s..s + n], &wb.0[..n]);
+        match out.as_deref_mut() {
+            None => store_cells(&w[s..s + n], &wb.0[..n]),
+            Some(o) => o[s..s + n].copy_from_slice(&wb.0[..n]),
+        }
     });
 }
 
 by_isa! {
     /// `w -= lr * g`
-    pub fn sgd(w: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
-        lanes L => direct::<L, Sgd, 0>(w, [], src, h),
-        base => staged::<Sgd, 0>(w, [], src, h),
+    pub fn sgd(
+        w: &[AtomicU32],
+
+        src: &mut dyn GradSource,
+        h: &Hyper,
+        out: Option<&mut [f32]>,
+    ) {
+        lanes L => direct::<L, Sgd, 0>(w, [], src, h, out),
+        base => staged::<Sgd, 0>(w, [], src, h, out),
     }
 }
 
 by_isa! {
     /// `v = m v + g; w -= lr v`
-    pub fn momentum(w: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
-        lanes L => direct::<L, Momentum, 1>(w, [v], src, h),
-        base => staged::<Momentum, 1>(w, [v], src, h),
+    pub fn momentum(
+        w: &[AtomicU32],
+        v: &[AtomicU32],
+        src: &mut dyn GradSource,
+        h: &Hyper,
+        out: Option<&mut [f32]>,
+    ) {
+        lanes L => direct::<L, Momentum, 1>(w, [v], src, h, out),
+        base => staged::<Momentum, 1>(w, [v], src, h, out),
     }
 }
 
 by_isa! {
     /// `v = m v + g; w -= lr (g + m v)`
-    pub fn nesterov(w: &[AtomicU32], v: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
-        lanes L => direct::<L, Nesterov, 1>(w, [v], src, h),
-        base => staged::<Nesterov, 1>(w, [v], src, h),
+    pub fn nesterov(
+        w: &[AtomicU32],
+        v: &[AtomicU32],
+        src: &mut dyn GradSource,
+        h: &Hyper,
+        out: Option<&mut [f32]>,
+    ) {
+        lanes L => direct::<L, Nesterov, 1>(w, [v], src, h, out),
+        base => staged::<Nesterov, 1>(w, [v], src, h, out),
     }
 }
 
 by_isa! {
     /// `s += g²; w -= lr g / (√s + eps)`
-    pub fn adagrad(w: &[AtomicU32], acc: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
-        lanes L => direct::<L, Adagrad, 1>(w, [acc], src, h),
-        base => staged::<Adagrad, 1>(w, [acc], src, h),
+    pub fn adagrad(
+        w: &[AtomicU32],
+        acc: &[AtomicU32],
+        src: &mut dyn GradSource,
+        h: &Hyper,
+        out: Option<&mut [f32]>,
+    ) {
+        lanes L => direct::<L, Adagrad, 1>(w, [acc], src, h, out),
+        base => staged::<Adagrad, 1>(w, [acc], src, h, out),
     }
 }
 
@@ -324,9 +391,10 @@ by_isa! {
         v: &[AtomicU32],
         src: &mut dyn GradSource,
         h: &Hyper,
+        out: Option<&mut [f32]>,
     ) {
-        lanes L => direct::<L, Adam, 2>(w, [m, v], src, h),
-        base => staged::<Adam, 2>(w, [m, v], src, h),
+        lanes L => direct::<L, Adam, 2>(w, [m, v], src, h, out),
+        base => staged::<Adam, 2>(w, [m, v], src, h, out),
     }
 }
 
@@ -339,8 +407,8 @@ pub fn axpy(w: &[AtomicU32], src: &mut dyn GradSource, alpha: f32, first: usize)
 
 by_isa! {
     fn axpy_kernel(w: &[AtomicU32], src: &mut dyn GradSource, h: &Hyper) {
-        lanes L => direct::<L, Axpy, 0>(w, [], src, h),
-        base => staged::<Axpy, 0>(w, [], src, h),
+        lanes L => direct::<L, Axpy, 0>(w, [], src, h, None),
+        base => staged::<Axpy, 0>(w, [], src, h, None),
     }
 }
 
