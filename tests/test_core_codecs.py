@@ -78,6 +78,22 @@ def test_apply_equals_extract_then_step(name: CodecName, optimizer: str) -> None
     assert direct.version("w") == 3
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_add_to_adds_the_decoded_values_and_steps_no_optimizer(name: CodecName) -> None:
+    codec = make_codec(name, SHAPE, tau=0.5, block=64)
+    store = ParamStore([("w", N)], "adagrad")
+    start = grads(1, seed=3)[0].reshape(-1)
+    store.write("w", start)
+    expected = start.copy()
+    for g in grads(3, seed=4):
+        compressed = codec.compress(g)
+        codec.add_to(store, "w", compressed, alpha=-2.0)
+        expected += np.float32(-2.0) * codec.extract(compressed).reshape(-1)
+    np.testing.assert_allclose(store.view("w"), expected, rtol=1e-6, atol=1e-6)
+    assert store.version("w") == 4 and store.steps("w") == 0  # three adds after the write; no optimizer step
+    assert not store.view("w", state=1).any()  # Adagrad's accumulator untouched
+
+
 def test_compression_ratios_match_payload_sizes() -> None:
     g = grads(1)[0]
     for codec in (make_codec("none", SHAPE), make_codec("onebit", SHAPE), make_codec("int8", SHAPE)):

@@ -95,6 +95,13 @@ class Codec(ABC):
         """One optimizer step of ``store[segment]`` with the decoded gradient; the new version."""
 
     @abstractmethod
+    def add_to(
+        self, store: _core.ParamStore, segment: str, compressed: CompressedTensor, alpha: float = 1.0
+    ) -> int:
+        """``store[segment] += alpha * decoded`` (no optimizer; the threshold codec touches only the coded
+        elements), decoded chunk by chunk; the new version."""
+
+    @abstractmethod
     def estimate_compression_ratio(self) -> float:
         """Expected float32 bytes over payload bytes."""
 
@@ -132,6 +139,12 @@ class NoneCodec(Codec):
     ) -> int:
         values = _aligned_view(self._check(compressed), np.float32)
         return store.step(segment, values.astype(np.float32, copy=False), lr)
+
+    def add_to(
+        self, store: _core.ParamStore, segment: str, compressed: CompressedTensor, alpha: float = 1.0
+    ) -> int:
+        values = _aligned_view(self._check(compressed), np.float32)
+        return store.add(segment, values.astype(np.float32, copy=False), alpha)
 
     def estimate_compression_ratio(self) -> float:
         return 1.0
@@ -191,6 +204,11 @@ class ThresholdCodec(Codec):
     ) -> int:
         return self._core.apply(store, segment, self._codes(compressed), lr)
 
+    def add_to(
+        self, store: _core.ParamStore, segment: str, compressed: CompressedTensor, alpha: float = 1.0
+    ) -> int:
+        return self._core.add_to(store, segment, self._codes(compressed), alpha)
+
     def estimate_compression_ratio(self) -> float:
         return self._ratio
 
@@ -218,6 +236,11 @@ class OneBitCodec(Codec):
     ) -> int:
         return self._core.apply(store, segment, self._check(compressed), lr)
 
+    def add_to(
+        self, store: _core.ParamStore, segment: str, compressed: CompressedTensor, alpha: float = 1.0
+    ) -> int:
+        return self._core.add_to(store, segment, self._check(compressed), alpha)
+
     def estimate_compression_ratio(self) -> float:
         return self._core.compression_ratio()
 
@@ -241,6 +264,11 @@ class Int8Codec(Codec):
         self, store: _core.ParamStore, segment: str, compressed: CompressedTensor, lr: float
     ) -> int:
         return self._core.apply(store, segment, self._check(compressed), lr)
+
+    def add_to(
+        self, store: _core.ParamStore, segment: str, compressed: CompressedTensor, alpha: float = 1.0
+    ) -> int:
+        return self._core.add_to(store, segment, self._check(compressed), alpha)
 
     def estimate_compression_ratio(self) -> float:
         return self._core.compression_ratio()
