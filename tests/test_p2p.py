@@ -120,12 +120,15 @@ async def test_each_peer_applies_exactly_what_it_sent_plus_what_it_received() ->
 
 async def test_the_residual_keeps_what_the_threshold_left_out() -> None:
     async with _peers(1) as (sync,):
-        base = sync.base.copy()
+        base = sync.w.copy()
         await sync.ready()
         model = sync.flat.model
         nn.functional.cross_entropy(model(torch.ones(8, 4)), torch.zeros(8, dtype=torch.long)).backward()  # type: ignore[no-untyped-call]
         sync.step()
-        change = sync.store.view("params") - base  # what the local optimizer did
+        # the model's weights are the shared copy: the step left them, and its change waits to be coded
+        np.testing.assert_array_equal(sync.store.view("params"), base)
+        change = sync.change.copy()  # what the local optimizer did
+        assert np.count_nonzero(change) > 0
         (coded,) = sync._coded
         sent = sync.codec.extract(coded)
         assert np.abs(sent).max() == pytest.approx(TAU)  # only +-tau goes out ...
@@ -134,6 +137,7 @@ async def test_the_residual_keeps_what_the_threshold_left_out() -> None:
         assert np.count_nonzero(residual) > 0
         await sync.sync(8)
         np.testing.assert_allclose(sync.w, base + sent, atol=1e-7)  # its own copy takes exactly what it sent
+        np.testing.assert_array_equal(sync.store.view("params"), sync.w)  # and the model's weights are that copy
 
 
 async def test_a_capped_update_sends_the_rest_of_its_codes_with_the_next_ones_under_a_cap_that_doubles() -> None:
@@ -143,7 +147,7 @@ async def test_a_capped_update_sends_the_rest_of_its_codes_with_the_next_ones_un
         model = sync.flat.model
         nn.functional.cross_entropy(model(torch.ones(8, 4)), torch.zeros(8, dtype=torch.long)).backward()  # type: ignore[no-untyped-call]
         sync.step()
-        change = sync.store.view("params") - sync.base  # one step that moves many weights past tau
+        change = sync.change.copy()  # one step that moves many weights past tau
         sizes = [sync._coded[0].payload.nbytes]
         await sync.sync(8)
         assert sizes == [64] and sync.counters.capped == 1  # more than 16 weights crossed tau: 16 went
