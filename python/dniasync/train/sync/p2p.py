@@ -94,6 +94,7 @@ from numpy.typing import NDArray
 from prometheus_client.metrics_core import Metric
 from torch import nn
 
+from ... import _core
 from ...actors import Actor, ActorError, ActorRef, ActorSystem, AskTimeout, handler, message
 from ...metrics import Tracker, add_sample, track
 from ..compression import CompressedTensor, ThresholdCodec, make_codec
@@ -126,7 +127,6 @@ __all__ = [
 log = logging.getLogger("dniasync.train.sync.p2p")
 
 P2P_SEGMENT: Final = "params"
-INDEX_MASK: Final = np.uint32(0x7FFFFFFF)
 DENSE_COPY_COOLDOWN_S: Final = 1.0
 """A peer takes at most one dense copy per this interval (the copy itself repairs what it can)."""
 RESEND_PATIENCE_S: Final = 5.0
@@ -346,8 +346,12 @@ class P2PSync:
         is coded, and the model's weights take every update as the shared copy does (the same adds, so they stay
         equal); no dense copy or subtraction per step. (With local steps the model trains its own weights for H
         steps, restarted from the shared copy after each outer step.)"""
-        self.w: NDArray[np.float32] = init.copy()
-        """The shared copy: the sum of every update applied (own and received)."""
+        self._shared = _core.ParamStore([(P2P_SEGMENT, self.n)], "sgd", nonfinite="allow")
+        self._shared.write(P2P_SEGMENT, init)
+        self.w: NDArray[np.float32] = self._shared.view(P2P_SEGMENT)
+        """The shared copy: the sum of every update applied (own and received). A view of a store of its own, so
+        that an update goes in by the codec's add in Rust (a threshold update: its codes' elements only): 11 ns a
+        code against numpy's indexed add's 40 (775,000 codes over 5.8M weights), the same bits."""
         self.base: NDArray[np.float32] = np.empty(0, np.float32) if self.direct else init.copy()
         """Local steps: ``w`` when the local weights were last set to it (``local - base`` is this peer's own
         progress)."""
@@ -692,22 +696,19 @@ class P2PSync:
             self._pending.append((msg.origin, msg.seq, self._decode(msg.codec, msg.payload)))
             self._mark(msg.origin, msg.seq)
 
-    def _decode(self, codec: str, payload: np.ndarray) -> NDArray[np.float32]:
+    def _compressed(self, codec: str, payload: np.ndarray) -> CompressedTensor:
         if codec != self.spec.codec:
             raise ValueError(f"peer {self.me}: an update coded with {codec!r}, this job codes with {self.spec.codec!r}")
-        return self.codec.extract(CompressedTensor(codec, (self.n,), np.ascontiguousarray(payload, dtype=np.uint8)))
+        return CompressedTensor(codec, (self.n,), np.ascontiguousarray(payload, dtype=np.uint8))
+
+    def _decode(self, codec: str, payload: np.ndarray) -> NDArray[np.float32]:
+        return self.codec.extract(self._compressed(codec, payload))
 
     def _apply(self, origin: str, seq: int, codec: str, payload: np.ndarray) -> None:
         """Add one update to the shared copy (only the coded elements, for ``threshold``) and mark it."""
-        if codec == "threshold" and codec == self.spec.codec:
-            codes = np.ascontiguousarray(payload, dtype=np.uint8).view(np.uint32)
-            tau = np.float32(self.spec.tau)
-            signs = np.where(codes >> np.uint32(31), -tau, tau).astype(np.float32)
-            self.w[codes & INDEX_MASK] += signs  # indices of one payload are distinct
-        else:
-            self.w += self._decode(codec, payload)
+        coded = self._compressed(codec, payload)
+        self.codec.add_to(self._shared, P2P_SEGMENT, coded)
         if self.direct:  # the model's weights take it too, the same adds (a step running meanwhile only reads them)
-            coded = CompressedTensor(codec, (self.n,), np.ascontiguousarray(payload, dtype=np.uint8))
             self.codec.add_to(self.store, P2P_SEGMENT, coded)
         self._mark(origin, seq)
 
