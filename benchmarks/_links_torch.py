@@ -43,6 +43,12 @@ POWERSGD_RANK = 4
 """PowerSGD's matrix_approximation_rank: 784x256 and 256x256 gradients travel as rank-4 factors (~50x fewer bytes)."""
 POWERSGD_START = 10
 """start_powerSGD_iter: plain allreduce for the first 10 steps (torch's advice: ~10% of training; ours is 60-250)."""
+POWERSGD_BUCKET_MB = 1024
+"""DDP's bucket size under PowerSGD: every gradient in one bucket. With DDP's default buckets (1 MiB first, then
+25 MiB) the hook's chained collectives of two buckets (the uncompressed tensors' allreduce, then P's, then Q's, each
+issued from the previous one's callback) were issued in a different order on different ranks, and gloo, which pairs
+collectives by their order, aborted on a size mismatch (16,384 vs 2,048 bytes, 2 ranks on loopback, the MLP
+784-2048-2048-10, at step 10 where PowerSGD starts). One bucket makes one chain per step."""
 HIVEMIND_TARGET_BATCH = 1024
 """hivemind.Optimizer epoch: the peers average their parameters every 1,024 samples trained by all (8 steps each)."""
 HIVEMIND_MATCHMAKING_S = 1.0
@@ -94,7 +100,11 @@ class DDP(Comm):
     def wrap(self) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
-        self.net = DistributedDataParallel(self.model)
+        if self.args.system == "ddp_powersgd":
+            # one bucket: with two or more, gloo mismatched PowerSGD's collectives between ranks (see POWERSGD_BUCKET_MB)
+            self.net = DistributedDataParallel(self.model, bucket_cap_mb=POWERSGD_BUCKET_MB)
+        else:
+            self.net = DistributedDataParallel(self.model)
         if self.args.system == "ddp_powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
