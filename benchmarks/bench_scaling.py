@@ -42,9 +42,19 @@ loopback), their samples/s and time to target side by side; within TOLERANCE is 
 link microbenchmark: two emulated hosts on each link as shaped at d = 1 and at the dilation of
 8 nodes; 8 MB through it and pings through the delay proxy, against the rate and 2 x delay.
 
+The synchronous bound (``bound`` in the results, a dash-dot line on the PNG): how far time to target can scale
+on this job at all. N nodes of batch 32 that step together are one process at batch 32 N; with free links and N
+times one node's samples/s, their speed-up over one node is N x S(32) / S(32 N), S the samples to TARGET (plain
+Adagrad in one process, the best lr of BOUND_LRS, median over BOUND_SEEDS, scored every 256 samples as the runs
+are). An asynchronous mode is not bound by it exactly, but it pays for its N in staleness instead.
+
 ``--quick``: the MLP, 1 Gbit/s, 1 and 2 nodes, downpour_codec and DDP, 1 epoch; the validation at
-1 node; the link microbenchmark at d = 1 (a few minutes: every emulated run starts its processes
-under their quotas).
+1 node; the link microbenchmark at d = 1; the bound at one lr and seed (a few minutes: every emulated run
+starts its processes under their quotas).
+
+``--update`` starts from the committed results and replaces only the runs asked, for a full run takes hours:
+    python benchmarks/bench_scaling.py --update --models mlp --links 1gbit --systems ddp_powersgd --nodes 2,4,8
+    python benchmarks/bench_scaling.py --update --systems '' --bound
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import tomllib  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -371,6 +382,7 @@ def run_one(system: str, model: str, nodes: int, link: str | None, work: Path, q
     except (RunFailed, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as exc:
         result = {"error": str(exc)[-2000:]}
     result["run_s"] = time.monotonic() - start
+    result["commit"] = _common.machine().get("commit")
     saved.parent.mkdir(parents=True, exist_ok=True)
     saved.write_text(json.dumps({"depends": depends, "result": result}) + "\n")
     fig = result.get("samples_per_s")
@@ -379,6 +391,88 @@ def run_one(system: str, model: str, nodes: int, link: str | None, work: Path, q
                    f"(d {result.get('dilation', 1):.3g}, {result['run_s']:.0f} s)" if fig else
                    f"no figure: {result.get('error', 'too few snapshots')[:200]}"))
     return result
+
+
+# --------------------------------------------------------------------------- the statistical bound
+
+BOUND_LRS = (0.0025, 0.005, 0.01, 0.02, 0.04)
+"""Adagrad's lrs for the synchronous bound: each batch size gets its best (bigger batches may take bigger steps)."""
+BOUND_SEEDS = (0, 1, 2)
+BOUND_EXTEND = 2
+"""A batch size whose best lr is an end of the lrs it ran at runs the next lr beyond that end (half or twice), at most
+this many times: in a first measurement batch 256's best was 0.0025, the grid's lowest."""
+
+
+def samples_to_target(model: str, batch: int, lr: float, seed: int, budget: int) -> int | None:
+    """Samples one process of plain synchronous Adagrad at ``batch`` takes to TARGET on the held-out 1,000, scored
+    every SNAPSHOT_EVERY samples (as the runs' snapshots are), the first ``budget`` samples at most; None: not
+    reached. Seed ``seed``: the initial weights and the order of the samples."""
+    import torch.nn.functional as F
+
+    from dniasync.train.flat import evaluate
+    from dniasync.train.models import build_model
+
+    factory, kwargs = MODELS[model]
+    net = build_model(factory, kwargs, seed=seed)
+    opt = torch.optim.Adagrad(net.parameters(), lr=lr)
+    x, y, x_test, y_test = _split()
+    rng = np.random.default_rng(seed)
+    done, next_eval = 0, SNAPSHOT_EVERY
+    while done < budget:
+        order = torch.from_numpy(rng.permutation(len(x)))
+        for i in range(0, len(order) - batch + 1, batch):
+            idx = order[i:i + batch]
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x[idx]), y[idx]).backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            done += batch
+            if done >= next_eval:
+                while next_eval <= done:
+                    next_eval += SNAPSHOT_EVERY
+                if evaluate(net, x_test, y_test)[0] >= TARGET:
+                    return done
+            if done >= budget:
+                return None
+    return None
+
+
+def sync_bound(model: str, nodes: Sequence[int], quick: bool) -> dict[str, Any]:
+    """The most an N-node data-parallel job of batch 32 per node can speed up time to TARGET over one node, from
+    the samples it needs: N nodes of batch 32 that step together are one process at batch 32 N, so with free
+    communication and N times the samples/s its speed-up is N x S(32) / S(32 N), S the samples to TARGET at the
+    best lr of BOUND_LRS (median over BOUND_SEEDS). Measured in this process: samples, not time, are the result."""
+    torch.set_num_threads(cores())
+    budget = EPOCHS[model] * 4000
+    lrs, seeds = ((0.01,), (0,)) if quick else (BOUND_LRS, BOUND_SEEDS)
+    out: dict[str, Any] = {"budget_samples": budget, "lrs": list(lrs), "seeds": list(seeds), "batches": {}}
+
+    def best_of(runs: dict[float, list[int | None]]) -> tuple[float, float] | None:
+        """(median samples, lr) of the lr with the fewest median samples (the smaller lr on a tie); None: no lr
+        reached the target on every seed."""
+        found = [(statistics.median(v), lr) for lr, v in runs.items() if all(x is not None for x in v)]
+        return min(found) if found else None
+
+    for n in nodes:
+        batch = 32 * n
+        runs = {lr: [samples_to_target(model, batch, lr, seed, budget) for seed in seeds] for lr in lrs}
+        for _ in range(0 if quick else BOUND_EXTEND):
+            best = best_of(runs)
+            tried = sorted(runs)
+            if best is None or tried[0] < best[1] < tried[-1]:
+                break
+            lr = tried[0] / 2 if best[1] == tried[0] else tried[-1] * 2
+            runs[lr] = [samples_to_target(model, batch, lr, seed, budget) for seed in seeds]
+        best = best_of(runs)
+        out["batches"][str(n)] = {"batch": batch,
+                                  "samples_to_target": {str(lr): runs[lr] for lr in sorted(runs)},
+                                  "best_lr": best[1] if best else None, "samples": best[0] if best else None}
+        _common.say(f"  sync bound {model}: batch {batch:4d} ({n} node(s)): "
+                    + (f"{best[0]:,.0f} samples to {TARGET:.0%} at lr {best[1]:g}" if best else "target not reached")
+                    + f"  {json.dumps({str(lr): runs[lr] for lr in sorted(runs)})}")
+    one = out["batches"].get("1", {}).get("samples")
+    for n, row in out["batches"].items():
+        row["speedup_bound"] = int(n) * one / row["samples"] if one and row["samples"] else None
+    return out
 
 
 # --------------------------------------------------------------------------- the link itself
@@ -478,12 +572,18 @@ def plot(results: dict[str, Any], path: Path) -> None:
     from matplotlib.figure import Figure
 
     runs = results.get("runs", {})
-    fig = Figure(figsize=(6 * max(1, len(runs)), 4.5))
+    from matplotlib.ticker import NullFormatter
+
+    fig = Figure(figsize=(8.5 * max(1, len(runs)), 5))
     for k, (model, links) in enumerate(runs.items()):
         ax = fig.add_subplot(1, max(1, len(runs)), k + 1)
         top = max(NODES)
         ax.plot([1, top], [1, top], color="grey", linestyle="--", label="ideal")
         ax.plot(*Y2_POINT, marker="*", markersize=12, color="black", linestyle="none", label="y2 cluster, 6 nodes")
+        bound = results.get("bound", {}).get(model, {}).get("batches", {})
+        pts = sorted((int(n), r["speedup_bound"]) for n, r in bound.items() if r.get("speedup_bound"))
+        if pts:
+            ax.plot(*zip(*pts), color="black", linestyle="-.", label="synchronous bound (batch 32 N, free links)")
         for link, systems in links.items():
             for system, by_n in systems.items():
                 pts = sorted((int(n), r["speedup"]) for n, r in by_n.items() if r.get("speedup"))
@@ -493,7 +593,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set(title=f"{model}: speed-up to {TARGET:.0%} over 1 node", xlabel="emulated nodes (one core each)",
                ylabel="speed-up", xscale="log", yscale="log")
         ax.set_xticks(NODES, [str(n) for n in NODES])
-        ax.legend(fontsize=7)
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ticks = [0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 4, 8]
+        ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -509,6 +613,12 @@ def main() -> None:
                         + " ".join(f"{k}={','.join(map(str, v))}" for k, v in NODES_FOR.items()))
     p.add_argument("--reuse", action="store_true",
                    help="take a run's saved result (runs/bench_scaling/*/result.json) when what it depends on is equal")
+    p.add_argument("--update", action="store_true",
+                   help="start from the committed benchmarks/results/bench_scaling.json: run only the runs asked "
+                        "(--systems '' for none) and put them in place of its; its link figures and validation "
+                        "are kept; every run says the commit it ran at")
+    p.add_argument("--bound", action="store_true",
+                   help="with --update: measure the synchronous bound again (a full run always does)")
     args = p.parse_args()
     why = missing()
     if why is not None:
@@ -517,12 +627,25 @@ def main() -> None:
         models, links, nodes, systems = ["mlp"], ["1gbit"], [1, 2], ["downpour_codec", "ddp"]
     else:
         models, links = args.models.split(","), args.links.split(",")
-        nodes, systems = [int(n) for n in args.nodes.split(",")], args.systems.split(",")
+        nodes, systems = [int(n) for n in args.nodes.split(",")], [x for x in args.systems.split(",") if x]
     work = WORK.with_name("bench_scaling_quick") if args.quick else WORK
     work.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"target": TARGET, "cores": cores(), "tolerance": TOLERANCE, "runs": {},
                                "validation": {}, "links": {}, "work_dir": str(work),
-                               "epochs": {"dniasync": EPOCHS, "ddp": DDP_EPOCHS}}
+                               "epochs": {"dniasync": EPOCHS, "ddp": DDP_EPOCHS}, "bound": {}}
+    committed = _common.RESULTS / "bench_scaling.json"
+    if args.update:
+        if args.quick or not committed.exists():
+            sys.exit(f"bench_scaling: --update needs the full run's {committed} (and no --quick)")
+        before = json.loads(committed.read_text())
+        kept, at = before["results"], before["machine"].get("commit")
+        for by_link in kept.get("runs", {}).values():
+            for by_system in by_link.values():
+                for by_n in by_system.values():
+                    for r in by_n.values():
+                        r.setdefault("commit", at)
+        results.update({k: kept[k] for k in ("runs", "validation", "links", "bound") if k in kept})
+        results["updated_from"] = at
     nodes_for = dict(NODES_FOR)
     for item in args.nodes_for:
         key, _, counts = item.partition("=")
@@ -538,9 +661,10 @@ def main() -> None:
         _common.write("bench_scaling", args.quick, {**results, "partial": True, "ratios_missing": missing_now,
                                                     "bench_wall_s": time.monotonic() - started}, ratios_)
 
-    _common.say("link microbenchmark (two emulated hosts, 1 core each)")
+    if not args.update:
+        _common.say("link microbenchmark (two emulated hosts, 1 core each)")
     size = 2_000_000 if args.quick else 8_000_000
-    for link in links:
+    for link in links if not args.update else []:
         spec = parse_spec(f"1:{LINKS[link]}")
         for d in ([1.0] if args.quick else [1.0, max(1.0, 10 / cores())]):
             m = measure_link(spec.bandwidth_bps / d, spec.latency_s * d, size)
@@ -578,10 +702,15 @@ def main() -> None:
         curves.setdefault(system, {})[str(n)] = run_one(system, model, n, link, work, args.quick, args.reuse)
         derive(curves)
         save()
-        if model == "mlp" and (k + 1 == len(plan) or plan[k + 1][0] != "mlp"):
+        if model == "mlp" and not args.update and (k + 1 == len(plan) or plan[k + 1][0] != "mlp"):
             validate()  # once the MLP's runs are done: they are its emulated side
-    if "mlp" not in models:
+    if "mlp" not in models and not args.update:
         validate()
+    if not args.update or args.bound:
+        _common.say(f"the synchronous bound: one process at batch 32 N, Adagrad, the best of lrs {BOUND_LRS}")
+        for model in models:
+            results["bound"][model] = sync_bound(model, sorted({1, *nodes}), args.quick)
+            save()
     results["bench_wall_s"] = time.monotonic() - started
 
     ratios, missing_ = ratios_of(results)
@@ -608,6 +737,10 @@ def main() -> None:
         _common.say(f"validation {name}: samples/s emulated/{other} {fmt(row['samples_per_s_ratio'], '.2f')}, "
                     f"time to target {fmt(row.get('time_to_target_s_ratio'), '.2f')} "
                     f"({'within' if row['within_tolerance'] else 'outside'} {TOLERANCE:.0%})")
+    for model, bound in results["bound"].items():
+        _common.say(f"synchronous bound, {model}: " + ", ".join(
+            f"{n} node(s) {fmt(r['samples'], ',.0f')} samples, speed-up <= {fmt(r['speedup_bound'], '.2f')}"
+            for n, r in bound["batches"].items()))
     for name, value in ratios.items():
         _common.say(f"  {name:45s} {value:.3f}")
     if missing_:
