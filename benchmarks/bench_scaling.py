@@ -403,10 +403,12 @@ BOUND_EXTEND = 2
 this many times: in a first measurement batch 256's best was 0.0025, the grid's lowest."""
 
 
-def samples_to_target(model: str, batch: int, lr: float, seed: int, budget: int) -> int | None:
+def samples_to_target(model: str, data: tuple[torch.Tensor, ...], batch: int, lr: float, seed: int,
+                      budget: int) -> int | None:
     """Samples one process of plain synchronous Adagrad at ``batch`` takes to TARGET on the held-out 1,000, scored
     every SNAPSHOT_EVERY samples (as the runs' snapshots are), the first ``budget`` samples at most; None: not
-    reached. Seed ``seed``: the initial weights and the order of the samples."""
+    reached. ``data``: ``_split()``'s (x, y, x_test, y_test). Seed ``seed``: the initial weights and the order of
+    the samples."""
     import torch.nn.functional as F
 
     from dniasync.train.flat import evaluate
@@ -415,7 +417,7 @@ def samples_to_target(model: str, batch: int, lr: float, seed: int, budget: int)
     factory, kwargs = MODELS[model]
     net = build_model(factory, kwargs, seed=seed)
     opt = torch.optim.Adagrad(net.parameters(), lr=lr)
-    x, y, x_test, y_test = _split()
+    x, y, x_test, y_test = data
     rng = np.random.default_rng(seed)
     done, next_eval = 0, SNAPSHOT_EVERY
     while done < budget:
@@ -445,6 +447,7 @@ def sync_bound(model: str, nodes: Sequence[int], quick: bool) -> dict[str, Any]:
     budget = EPOCHS[model] * 4000
     lrs, seeds = ((0.01,), (0,)) if quick else (BOUND_LRS, BOUND_SEEDS)
     out: dict[str, Any] = {"budget_samples": budget, "lrs": list(lrs), "seeds": list(seeds), "batches": {}}
+    data = _split()
 
     def best_of(runs: dict[float, list[int | None]]) -> tuple[float, float] | None:
         """(median samples, lr) of the lr with the fewest median samples (the smaller lr on a tie); None: no lr
@@ -454,14 +457,14 @@ def sync_bound(model: str, nodes: Sequence[int], quick: bool) -> dict[str, Any]:
 
     for n in nodes:
         batch = 32 * n
-        runs = {lr: [samples_to_target(model, batch, lr, seed, budget) for seed in seeds] for lr in lrs}
+        runs = {lr: [samples_to_target(model, data, batch, lr, seed, budget) for seed in seeds] for lr in lrs}
         for _ in range(0 if quick else BOUND_EXTEND):
             best = best_of(runs)
             tried = sorted(runs)
             if best is None or tried[0] < best[1] < tried[-1]:
                 break
             lr = tried[0] / 2 if best[1] == tried[0] else tried[-1] * 2
-            runs[lr] = [samples_to_target(model, batch, lr, seed, budget) for seed in seeds]
+            runs[lr] = [samples_to_target(model, data, batch, lr, seed, budget) for seed in seeds]
         best = best_of(runs)
         out["batches"][str(n)] = {"batch": batch,
                                   "samples_to_target": {str(lr): runs[lr] for lr in sorted(runs)},
