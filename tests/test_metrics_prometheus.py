@@ -191,9 +191,15 @@ def test_every_panel_query_returns_data(scraped: Scraped) -> None:
     assert listed == set(nodes), f"listed {sorted(listed)}, want {sorted(nodes)}\n{scraped.state()}"
     stages = next(r for (_, t, _), r in results.items() if t == "stage")
     assert {r["metric"]["stage"] for r in stages} == {"stage-0", "stage-1", "stage-2"}
-    roles = next(r for (_, t, _), r in results.items() if t == "Members up by role")
-    assert {r["metric"]["role"]: float(r["value"][1]) for r in roles} == {
-        "coordinator": 3, "ps": 4, "worker": 6, "dni": 1}, scraped.state()
+    # polled too: a coordinator counts a member once it has joined, and Prometheus sees that a scrape later
+    roles_expr = next(e for (_, t, e) in results if t == "Members up by role")
+    want = {"coordinator": 3.0, "ps": 4.0, "worker": 6.0, "dni": 1.0}
+    while True:
+        roles = {r["metric"]["role"]: float(r["value"][1]) for r in prometheus.query(roles_expr)}
+        if roles == want:
+            break
+        assert time.monotonic() < deadline + DEADLINE_S, f"members up by role {roles}, want {want}\n{scraped.state()}"
+        time.sleep(1.0)
     # each job's coordinator is its first (epoch 1); the Downpour job's shard runs on both its copies
     epoch, chain = (next(e for (_, t, e) in results if t == p) for p in ("Coordinator epoch", "PS chain length"))
     while True:
