@@ -125,6 +125,21 @@ _ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session", autouse=True)
+def shared_fork_server() -> Iterator[str]:
+    """One shared fork server per test process (``python -m dniasync.node.fork_server``), named to every launch
+    the tests start: each ``--role local`` launch then skips importing torch (6-7 s of CPU on a slow core), as
+    ``dniasync.compare`` does over its plan. Tests of a launcher's own fork server take the variable out."""
+    from dniasync.node.fork_server import SHARED_ENV, running
+
+    with running() as path:
+        os.environ[SHARED_ENV] = path
+        try:
+            yield path
+        finally:
+            os.environ.pop(SHARED_ENV, None)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def example_data_sets() -> None:
     """Data sets the shipped examples name under ``runs/`` (not in git), made when missing with the commands the
     example's header gives (every ``#   python ...`` line but the job's own launch), as a user makes them.

@@ -12,7 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from dniasync.cluster.job import PS_LOST_AFTER_S
+from dniasync.node._zygote import SHARED_ENV
 
 JOB = """
 [job]
@@ -48,13 +51,14 @@ every_seconds = 0.5
 """
 
 
-def start(tmp_path: Path, name: str, seconds: float) -> tuple[subprocess.Popen[str], Path]:
+def start(tmp_path: Path, name: str, seconds: float, env: dict[str, str] | None = None,
+          ) -> tuple[subprocess.Popen[str], Path]:
     out = tmp_path / name
     config = tmp_path / f"{name}.toml"
     config.write_text(JOB.format(name=name, out=out, seconds=seconds))
     launcher = subprocess.Popen(
         [sys.executable, "-m", "dniasync.node", "--role", "local", "--config", str(config)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     return launcher, out
 
@@ -158,8 +162,15 @@ def test_a_killed_ps_shard_nobody_restarts_ends_the_job_naming_it_and_leaves_a_s
         assert 1 <= len(warnings) <= 10, warnings
 
 
-def test_a_killed_launcher_leaves_no_process_behind(tmp_path: Path) -> None:
-    launcher, out = start(tmp_path, "orphans", seconds=300)
+@pytest.mark.parametrize("server", ["own", "shared"])
+def test_a_killed_launcher_leaves_no_process_behind(tmp_path: Path, server: str, shared_fork_server: str) -> None:
+    """With a fork server of its own (started by the launcher) or one the shared server forked for it
+    (``DNIASYNC_FORK_SERVER``): that server and the job's processes go with the launcher; the shared one stays."""
+    env = dict(os.environ)
+    if server == "own":
+        env.pop(SHARED_ENV, None)
+    shared = _listener(shared_fork_server)
+    launcher, out = start(tmp_path, "orphans", seconds=300, env=env)
     try:
         children = wait_training(out)
         # on loopback every process is forked by the launcher's fork server (one process, not the launcher)
@@ -168,13 +179,29 @@ def test_a_killed_launcher_leaves_no_process_behind(tmp_path: Path) -> None:
     finally:
         launcher.kill()
         launcher.communicate()
-    assert len(parents) == 1 and launcher.pid not in parents and grandparents == {launcher.pid}, parents
-    (server,) = parents
-    pids = [server, *(c["pid"] for c in children)]  # the server goes with the launcher, its children with it
+    assert len(parents) == 1 and launcher.pid not in parents, parents
+    assert grandparents == ({launcher.pid} if server == "own" else {shared}), (grandparents, launcher.pid, shared)
+    (forks,) = parents
+    pids = [forks, *(c["pid"] for c in children)]  # the server goes with the launcher, its children with it
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and any(_running(pid) for pid in pids):
         time.sleep(0.2)
     assert not [pid for pid in pids if _running(pid)]
+    assert _running(shared)
+
+
+def _listener(path: str) -> int:
+    """The pid of the process listening on the Unix socket ``path``."""
+    inode = next(line.split()[6] for line in Path("/proc/net/unix").read_text().splitlines()[1:]
+                 if line.split()[-1] == path and line.split()[3] == "00010000")  # __SO_ACCEPTCON: the listener
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if any(os.readlink(fd) == f"socket:[{inode}]" for fd in (entry / "fd").iterdir()):
+                    return int(entry.name)
+            except OSError:
+                continue
+    raise AssertionError(f"nobody listens on {path}")
 
 
 def _parent(pid: int) -> int:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 import sys
 from pathlib import Path
 from types import FrameType
 
+from ..node.fork_server import SHARED_ENV, running
 from ._plan import CompareError, Plan, known_methods, make_plan, parse_methods
 
 __all__ = ["build_parser", "main"]
@@ -121,7 +124,15 @@ def _run_plan(plan: Plan, args: argparse.Namespace, out: Path) -> int:
     results: list[RunResult] = []
     progress = Progress(len(todo))
     interrupted = False
+    forks = contextlib.ExitStack()
     try:
+        if len(todo) > 1 and not os.environ.get(SHARED_ENV) and os.environ.get("DNIASYNC_FORK", "1") != "0":
+            # every launch's fork server forked from one that imported torch once for the whole plan
+            try:
+                os.environ[SHARED_ENV] = forks.enter_context(running())
+                forks.callback(os.environ.pop, SHARED_ENV, None)
+            except RuntimeError as exc:
+                print(f"note: {exc}; each run imports torch itself", file=sys.stderr)
         for m, seed in todo:
             if stopping:
                 interrupted = True
@@ -135,6 +146,7 @@ def _run_plan(plan: Plan, args: argparse.Namespace, out: Path) -> int:
                 interrupted = True
                 break
     finally:
+        forks.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     done = {(r.method, r.seed) for r in results}

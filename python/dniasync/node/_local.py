@@ -40,7 +40,7 @@ from ..cluster.config import Config, ConfigError, load_config
 from ..cluster.modes import get_mode
 from ..remote import WebSocketTransport
 from ..cluster.protocol import COORDINATOR_NAME, JobStatus, JobStatusReply
-from ._zygote import ForkedProcess, ForkServer
+from ._zygote import SHARED_ENV, ForkedProcess, ForkServer
 
 __all__ = ["Placement", "run_local"]
 
@@ -484,7 +484,15 @@ async def _run(config_path: str, config: Config, out: IO[str], resume: bool, pla
             await cluster.chaos.start()
         if placement is None and os.environ.get(FORK_ENV, "1") != "0":
             # torch and the rest imported once, not by each process: ~3 s of CPU saved per process that trains
-            cluster.forks = await ForkServer.start(_child_env(), get_mode(config.mode).preload(config))
+            preload = get_mode(config.mode).preload(config)
+            shared = os.environ.get(SHARED_ENV, "")
+            if shared:  # a shared server's imports are done already (dniasync.node.fork_server)
+                cluster.forks = await ForkServer.connect(shared, preload)
+                if cluster.forks is None:
+                    print(f"note: no fork server answered on {SHARED_ENV}={shared}: this job starts its own",
+                          file=out, flush=True)
+            if cluster.forks is None:
+                cluster.forks = await ForkServer.start(_child_env(), preload)
         listen = ["--listen", "127.0.0.1:0"] if placement is None else []  # a placement says where
         coordinator = await _spawn(cluster, "coordinator", 0, ["--config", config_path, *listen,
                                                                *(["--resume"] if resume else [])])

@@ -32,7 +32,7 @@ import os
 import signal
 import socket
 import sys
-from typing import Any
+from typing import Any, Final
 
 PRELOAD = ("torch", "numpy", "aiohttp", "uvloop", "dniasync.node.cli", "dniasync.train.replica", "dniasync.cluster")
 """What the server imports before it forks: the modules every node role imports (the trainer's torch above all).
@@ -49,13 +49,16 @@ def _pdeathsig(sig: int) -> None:
 
 
 # -- the server ---------------------------------------------------------------------------
-def serve(requests: socket.socket, replies: socket.socket, preload: tuple[str, ...] = ()) -> int:
+def serve(requests: socket.socket, replies: socket.socket, preload: tuple[str, ...] = (),
+          *, launcher_is_parent: bool = True) -> int:
     """Import :data:`PRELOAD` and ``preload``, then fork a child per request until the launcher closes
-    ``requests``; report each child's pid and exit status."""
-    launcher = os.getppid()
-    _pdeathsig(signal.SIGTERM)
-    if os.getppid() != launcher:  # the launcher died before the line above
-        return 0
+    ``requests``; report each child's pid and exit status. (A server the shared one forked for a launcher
+    (:func:`serve_shared`) is not the launcher's child: it learns of the launcher's end from ``requests`` alone.)"""
+    if launcher_is_parent:
+        launcher = os.getppid()
+        _pdeathsig(signal.SIGTERM)
+        if os.getppid() != launcher:  # the launcher died before the line above
+            return 0
     for module in (*PRELOAD, *preload):
         __import__(module)
     wake_r, wake_w = os.pipe()
@@ -134,6 +137,7 @@ def _child(request: dict[str, Any], fds: list[int], close: list[int]) -> None:
         for fd in {stdin, stdout}:
             if fd > 2:
                 os.close(fd)
+        _follow_pythonpath(os.environ.get("PYTHONPATH", ""), request["env"].get("PYTHONPATH", ""))
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
@@ -156,6 +160,115 @@ def _child(request: dict[str, Any], fds: list[int], close: list[int]) -> None:
             sys.stderr.flush()
         finally:
             os._exit(status or 1)
+
+
+# -- the shared server -------------------------------------------------------------------------
+SHARED_ENV: Final = "DNIASYNC_FORK_SERVER"
+"""The socket of a running shared fork server (:func:`serve_shared`) the local launcher asks for its own server
+instead of starting one; unset, empty, or not answering: the launcher starts its own."""
+
+SHARED_PRELOAD: Final = ("torch._dynamo",)
+"""What the shared server imports beyond :data:`PRELOAD`: what any mode asks for (:meth:`Mode.preload`)."""
+
+
+def _identity() -> dict[str, str]:
+    """What a launcher and a shared server must have in common for the server's imports to be the launcher's:
+    the interpreter and the package's files."""
+    import dniasync
+
+    return {"executable": sys.executable, "package": os.path.dirname(os.path.abspath(dniasync.__file__))}
+
+
+def serve_shared(path: str, preload: tuple[str, ...] = SHARED_PRELOAD, *, ready: Any = None) -> int:
+    """The shared fork server: import everything once, listen on the Unix socket ``path``, and for each launcher
+    that connects fork a server of its own (:func:`serve`, its imports already done) until SIGTERM or SIGINT.
+
+    A launcher sends its request and reply sockets (``SCM_RIGHTS``) with a JSON hello ``{"executable",
+    "package", "preload"}``; a launcher of another interpreter or another copy of the package is refused
+    (``{"error"}``), and starts its own server. The socket is made readable by this user only.
+    """
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # as the launcher's children
+    for module in (*PRELOAD, *preload):
+        __import__(module)
+    if sys.path and sys.path[0] == os.getcwd():  # `-m` put the start's directory first: a child's is its own
+        sys.path[0] = ""
+    me = _identity()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the per-launcher servers are reaped by the kernel
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        if os.path.exists(path):
+            os.unlink(path)  # a server that was killed left it; a live one would have answered the caller
+        listener.bind(path)
+    finally:
+        os.umask(old_umask)
+    listener.listen(64)
+    if ready is not None:
+        ready(path)
+    try:
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                try:
+                    data, fds, _, _ = socket.recv_fds(conn, _MAX_REQUEST, 2)
+                    hello = json.loads(data)
+                except (OSError, ValueError):
+                    continue
+                if len(fds) != 2 or {k: hello.get(k) for k in me} != me:
+                    for fd in fds:
+                        os.close(fd)
+                    why = "needs two sockets" if len(fds) != 2 else f"this server runs {me}, not {hello}"
+                    conn.sendall(json.dumps({"error": why}).encode() + b"\n")
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    code = 1
+                    try:
+                        listener.close()
+                        conn.close()
+                        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                        signal.signal(signal.SIGINT, signal.SIG_DFL)
+                        os.setsid()  # out of the shared server's session: signals to it do not reach jobs
+                        code = serve(socket.socket(fileno=fds[0]), socket.socket(fileno=fds[1]),
+                                     tuple(m for m in hello.get("preload", ()) if isinstance(m, str)),
+                                     launcher_is_parent=False)
+                    finally:
+                        os._exit(code)
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    except KeyboardInterrupt:
+        if not stopping:
+            raise
+    finally:
+        listener.close()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return 0
+
+
+def _follow_pythonpath(server: str, child: str) -> None:
+    """``sys.path`` as the child's ``PYTHONPATH`` would have made it, not the server's (a shared server started
+    with another one): the server's entries it lacks out, its own in, where Python puts them (after the first)."""
+    if server == child:
+        return
+    old = [p for p in server.split(os.pathsep) if p]
+    new = [p for p in child.split(os.pathsep) if p]
+    drop = {p for p in old if p not in new}
+    sys.path[1:] = [p for p in sys.path[1:] if p not in drop]
+    sys.path[1:1] = [p for p in new if p not in sys.path]
 
 
 # -- the launcher's side ----------------------------------------------------------------------
@@ -194,9 +307,11 @@ class ForkedProcess:
 class ForkServer:
     """The launcher's handle on its fork server (see the module's docstring)."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, requests: socket.socket,
-                 replies: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process | None, requests: socket.socket,
+                 replies: tuple[asyncio.StreamReader, asyncio.StreamWriter], pid: int | None = None) -> None:
         self.proc = proc
+        """The server's process if this launcher started it; None for one a shared server forked (:meth:`connect`)."""
+        self.pid = proc.pid if proc is not None else pid
         self._requests = requests
         self._replies, self._replies_end = replies  # (the writer kept: its collection would close the socket)
         self._ids = 0
@@ -235,6 +350,51 @@ class ForkServer:
             await proc.wait()
             return None
         return cls(proc, req_a, (reader, writer))
+
+    @classmethod
+    async def connect(cls, path: str, preload: tuple[str, ...] = (), timeout_s: float = 120.0) -> ForkServer | None:
+        """A fork server of this launcher's own, forked by the shared server listening on ``path``
+        (:func:`serve_shared`) with everything already imported; None if none answers there or it refused (another
+        interpreter or another copy of the package): the launcher then starts its own (:meth:`start`)."""
+        loop = asyncio.get_running_loop()
+        req_a, req_b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        rep_a, rep_b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        hello = json.dumps({**_identity(), "preload": list(preload)}).encode()
+        answer = b""
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.setblocking(False)
+                async with asyncio.timeout(timeout_s):
+                    await loop.sock_connect(conn, path)
+                    conn.setblocking(True)
+                    socket.send_fds(conn, [hello], [req_b.fileno(), rep_b.fileno()])
+                    conn.setblocking(False)
+                    while not answer.endswith(b"\n"):
+                        chunk = await loop.sock_recv(conn, 4096)
+                        if not chunk:
+                            break
+                        answer += chunk
+        except (OSError, TimeoutError):
+            answer = b""
+        finally:
+            req_b.close()
+            rep_b.close()
+        try:
+            pid = int(json.loads(answer)["pid"])
+        except (ValueError, KeyError, TypeError):
+            req_a.close()
+            rep_a.close()
+            return None
+        reader, writer = await asyncio.open_unix_connection(sock=rep_a)
+        try:
+            line = await asyncio.wait_for(reader.readline(), timeout_s)
+        except TimeoutError:
+            line = b""
+        if not line.startswith(b'{"ready"'):
+            req_a.close()
+            writer.close()
+            return None
+        return cls(None, req_a, (reader, writer), pid)
 
     async def _read(self) -> None:
         try:
@@ -301,18 +461,28 @@ class ForkServer:
     async def close(self) -> None:
         """Stop serving: the server exits (children it started and that still run are the launcher's to stop)."""
         self._requests.close()
-        try:
-            await asyncio.wait_for(self.proc.wait(), 10)
-        except TimeoutError:
-            self.proc.kill()
-            await self.proc.wait()
+        if self.proc is not None:
+            try:
+                await asyncio.wait_for(self.proc.wait(), 10)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        else:  # forked by the shared server, not a child of this launcher: it has gone once its replies end
+            try:
+                await asyncio.wait_for(asyncio.shield(self._reader), 10)
+            except TimeoutError:
+                if self.pid is not None:
+                    try:
+                        os.kill(self.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
         self._reader.cancel()
         self._replies_end.close()
 
 
 def main() -> None:
     """The server process: ``python -c "from dniasync.node._zygote import main; main()" REQUESTS_FD REPLIES_FD
-    [MODULE ...]``."""
+    [MODULE ...]`` (the shared server: ``python -m dniasync.node.fork_server``)."""
     requests = socket.socket(fileno=int(sys.argv[1]))
     replies = socket.socket(fileno=int(sys.argv[2]))
     sys.exit(serve(requests, replies, tuple(sys.argv[3:])))
