@@ -304,6 +304,22 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+async def _ready(requests: socket.socket, replies: socket.socket,
+                 timeout_s: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+    """The reply stream of a fork server that says it is ready within ``timeout_s``; None, both sockets closed,
+    if it does not."""
+    reader, writer = await asyncio.open_unix_connection(sock=replies)
+    try:
+        line = await asyncio.wait_for(reader.readline(), timeout_s)
+    except TimeoutError:
+        line = b""
+    if line.startswith(b'{"ready"'):
+        return reader, writer
+    requests.close()
+    writer.close()
+    return None
+
+
 class ForkServer:
     """The launcher's handle on its fork server (see the module's docstring)."""
 
@@ -337,19 +353,13 @@ class ForkServer:
         finally:
             req_b.close()
             rep_b.close()
-        reader, writer = await asyncio.open_unix_connection(sock=rep_a)
-        try:
-            line = await asyncio.wait_for(reader.readline(), timeout_s)
-        except TimeoutError:
-            line = b""
-        if not line.startswith(b'{"ready"'):
-            req_a.close()
-            writer.close()
+        replies = await _ready(req_a, rep_a, timeout_s)
+        if replies is None:
             if proc.returncode is None:
                 proc.kill()
             await proc.wait()
             return None
-        return cls(proc, req_a, (reader, writer))
+        return cls(proc, req_a, replies)
 
     @classmethod
     async def connect(cls, path: str, preload: tuple[str, ...] = (), timeout_s: float = 120.0) -> ForkServer | None:
@@ -385,16 +395,8 @@ class ForkServer:
             req_a.close()
             rep_a.close()
             return None
-        reader, writer = await asyncio.open_unix_connection(sock=rep_a)
-        try:
-            line = await asyncio.wait_for(reader.readline(), timeout_s)
-        except TimeoutError:
-            line = b""
-        if not line.startswith(b'{"ready"'):
-            req_a.close()
-            writer.close()
-            return None
-        return cls(None, req_a, (reader, writer), pid)
+        replies = await _ready(req_a, rep_a, timeout_s)
+        return None if replies is None else cls(None, req_a, replies, pid)
 
     async def _read(self) -> None:
         try:
