@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from ..node.fork_server import SHARED_ENV, running
+from ..node.fork_server import FORK_ENV, SHARED_ENV, running
 from ._plan import CompareError, Plan, known_methods, make_plan, parse_methods
 
 __all__ = ["build_parser", "main"]
@@ -126,7 +126,7 @@ def _run_plan(plan: Plan, args: argparse.Namespace, out: Path) -> int:
     interrupted = False
     forks = contextlib.ExitStack()
     try:
-        if len(todo) > 1 and not os.environ.get(SHARED_ENV) and os.environ.get("DNIASYNC_FORK", "1") != "0":
+        if len(todo) > 1 and not os.environ.get(SHARED_ENV) and os.environ.get(FORK_ENV, "1") != "0":
             # every launch's fork server forked from one that imported torch once for the whole plan
             try:
                 os.environ[SHARED_ENV] = forks.enter_context(running())

@@ -40,7 +40,7 @@ from ..cluster.config import Config, ConfigError, load_config
 from ..cluster.modes import get_mode
 from ..remote import WebSocketTransport
 from ..cluster.protocol import COORDINATOR_NAME, JobStatus, JobStatusReply
-from ._zygote import SHARED_ENV, ForkedProcess, ForkServer
+from ._zygote import FORK_ENV, SHARED_ENV, ForkedProcess, ForkServer
 
 __all__ = ["Placement", "run_local"]
 
@@ -52,8 +52,6 @@ PROG = "python -m dniasync.node"
 """The node's command line: how its usage errors (exit 2) start, ``PROG: error: ...``."""
 USAGE_PREFIX = f"{PROG}: "
 STARTUP_TIMEOUT_S = 120.0
-FORK_ENV: Final = "DNIASYNC_FORK"
-"""``0``: start each process of a job on loopback with exec, not from the launcher's fork server."""
 EARLY_JOIN: Final = ["--join", "-"]
 """How the PS and worker processes started beside the coordinator join it: its address on their stdin, once known."""
 PROMETHEUS_TARGETS = "prometheus_targets.json"

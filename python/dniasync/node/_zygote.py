@@ -163,6 +163,9 @@ def _child(request: dict[str, Any], fds: list[int], close: list[int]) -> None:
 
 
 # -- the shared server -------------------------------------------------------------------------
+FORK_ENV: Final = "DNIASYNC_FORK"
+"""``0``: start each process of a job on loopback with exec, not from the launcher's fork server."""
+
 SHARED_ENV: Final = "DNIASYNC_FORK_SERVER"
 """The socket of a running shared fork server (:func:`serve_shared`) the local launcher asks for its own server
 instead of starting one; unset, empty, or not answering: the launcher starts its own."""

@@ -27,9 +27,9 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ._zygote import SHARED_ENV, serve_shared
+from ._zygote import FORK_ENV, SHARED_ENV, serve_shared
 
-__all__ = ["SHARED_ENV", "default_socket", "main", "running"]
+__all__ = ["FORK_ENV", "SHARED_ENV", "default_socket", "main", "running"]
 
 
 def default_socket() -> str:
