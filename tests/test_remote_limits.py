@@ -140,7 +140,7 @@ async def test_flood_of_slow_and_idle_connections_is_capped_and_timed_out(start_
     """5,000 slowloris + 5,000 idle TCP connections from 100 addresses against a node: the member's asks are
     answered throughout (each within its 5 s timeout), file descriptors stay under the cap, and no connection
     outlives the header timeout by more than the slack a loaded machine needs (those opened in the last seconds
-    may still be young when the flood ends)."""
+    may still be young when the flood ends). The node accounts for every connection it closed."""
     node = start_node("--role", "coordinator", "--spawn", "dniasync.node.demo:Echo=echo",
                       "--header-timeout-s", str(HEADER_TIMEOUT_S))
     cap = RemoteSettings().max_connections
@@ -184,8 +184,12 @@ async def test_flood_of_slow_and_idle_connections_is_capped_and_timed_out(start_
     assert report["still_open"] == 0, report  # nobody held a connection as long as it liked
     assert report["max_lifetime_s"] <= HEADER_TIMEOUT_S + SLACK_S, report
     assert most_fds <= baseline + cap + 16, (baseline, most_fds)
-    assert status.counters["connections_timed_out"] > 0
-    assert status.counters["connections_evicted"] > 0
+    # Which rule closes a given connection (the header timeout or eviction to make room) is a race with the
+    # machine's load: on a busy host the cap evicts every one before its timeout is due. What cannot race: the
+    # node closed every connection the flood saw closed, and it counted each under one of its rules.
+    c = status.counters
+    assert c["connections_evicted"] > 0  # 10,000 connections against a cap of far fewer
+    assert c["connections_timed_out"] + c["connections_evicted"] + c["connections_refused"] >= report["closed"], c
 
 
 # -- one rule at a time, in process ---------------------------------------------------------------
