@@ -356,6 +356,7 @@ lr = 0.05
 n_peers = {peers}
 codec = "threshold"
 tau = 0.002
+wait_for_peers_s = {wait}
 
 [sync]
 fanout = {fanout}
@@ -515,9 +516,12 @@ def test_the_default_update_cap_keeps_the_accuracy_of_uncapped_updates_on_mnist(
 
 
 def test_with_fanout_1_every_update_reaches_every_peer(tmp_path: Path) -> None:
-    doc, _ = run_job(tmp_path, "fan1", DIGITS, timeout=600, peers=4, fanout=1, epochs=8, seconds=120)
+    doc, _ = run_job(tmp_path, "fan1", DIGITS, timeout=600, peers=4, fanout=1, epochs=8, seconds=120, wait=60)
     m = doc["metrics"]
     peers = _peer_names(doc)
+    # all four: the first ones ready waited for the last (a loaded machine once readied one 3.5 s after the first,
+    # when the other three had trained the job's 8 epochs of these 1,400 digits; it was not among the peers at the end)
+    assert "peers start training: all 4 peers are ready" in (tmp_path / "fan1" / "logs" / "coordinator0.log").read_text()
     assert len(peers) == 4
     _assert_ledgers_complete(doc, peers)  # the count: every origin's every update is in every copy
     assert sum(m[f"p2p/{p}/forwarded"] for p in peers) > 0  # they got there by being passed on
@@ -606,7 +610,7 @@ class _Cluster:
 
 
 def test_a_killed_peer_is_named_and_the_others_finish(tmp_path: Path) -> None:
-    config, out = write_job(tmp_path, "kill", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=14)
+    config, out = write_job(tmp_path, "kill", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=14, wait=60)
     cluster = _Cluster(tmp_path, config, out)
     try:
         for name in ("w0", "w1", "w2"):
@@ -632,7 +636,8 @@ def test_a_killed_peer_is_named_and_the_others_finish(tmp_path: Path) -> None:
 
 
 def test_a_late_peer_starts_from_a_neighbours_copy_and_reaches_the_others(tmp_path: Path) -> None:
-    config, out = write_job(tmp_path, "late", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=25)
+    # the two first start without waiting for the third (wait_for_peers_s = 0): it is late on purpose
+    config, out = write_job(tmp_path, "late", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=25, wait=0)
     cluster = _Cluster(tmp_path, config, out)
     try:
         cluster.worker("w0")
@@ -658,8 +663,27 @@ def test_a_late_peer_starts_from_a_neighbours_copy_and_reaches_the_others(tmp_pa
     assert doc["final_accuracy"] >= 0.9
 
 
+def test_peers_that_wait_in_vain_for_one_start_without_it(tmp_path: Path) -> None:
+    """Three peers configured, two started: they wait wait_for_peers_s for the third, then train as two."""
+    config, out = write_job(tmp_path, "wait", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=4, wait=2)
+    cluster = _Cluster(tmp_path, config, out)
+    try:
+        cluster.worker("w0")
+        cluster.worker("w1")
+        doc = cluster.finished()
+    finally:
+        cluster.stop()
+    assert "peers start training: 2 of 3 peers ready after 2 s" in cluster.logs["coordinator"].read_text()
+    assert doc["stop_reason"] == "ran 4 s"  # no hang: they did not wait for the third for ever
+    m = doc["metrics"]
+    peers = _peer_names(doc)
+    assert len(peers) == 2 and m["peers_alive"] == 2
+    assert all(m[f"p2p/{p}/steps"] > 0 for p in peers)
+    _assert_ledgers_complete(doc, peers)
+
+
 def test_a_peer_frozen_for_10_s_does_not_stop_the_others_and_catches_up(tmp_path: Path) -> None:
-    config, out = write_job(tmp_path, "freeze", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=22)
+    config, out = write_job(tmp_path, "freeze", DIGITS, peers=3, fanout=0, epochs=100_000, seconds=22, wait=60)
     cluster = _Cluster(tmp_path, config, out)
     try:
         for name in ("w0", "w1", "w2"):

@@ -151,8 +151,7 @@ class DataParallelJob:
                               cluster_steps=self.steps())
             log.info("replica %s joined; data shards %s", name, sorted(shards))
         state = self.replicas[name]
-        cursors = [[c.shard, c.epoch, c.position] for s in sorted(state.shards) for c in [self.cursors[s]]]
-        return Assignment(ReplicaSpec(self.model_spec, self.data_spec, self.optimizer_spec, cursors,
+        return Assignment(ReplicaSpec(self.model_spec, self.data_spec, self.optimizer_spec, self.cursors_of(state),
                                       self.sync_spec(), self.runner.ref.address))
 
     async def ready(self, ready: Ready) -> None:
@@ -161,9 +160,18 @@ class DataParallelJob:
             state.ref = ready.refs[0]
             if self.runner.epoch > 1:  # orders from an earlier coordinator that woke up are refused from now on
                 state.ref.tell_nowait(CoordinatorEpoch(self.runner.epoch, self.runner.ref.address))
-            self.runner.mark_started()  # the clock starts with the first replica that has its data and model
+            self.start(replica_name(ready.member), state)
             if self.runner.ending:  # it came up after the job ended: it has nothing to train
                 await self.stop_one(state, "the job has ended")
+
+    def start(self, name: str, state: _Replica) -> None:
+        """Replica ``name`` has its data and model: the clock starts with the first one (a mode may hold its replicas
+        back to start them together)."""
+        self.runner.mark_started()
+
+    def cursors_of(self, state: _Replica) -> list[list[int]]:
+        """``[shard, epoch, position]`` of each data shard ``state`` owns, where it stands now."""
+        return [[c.shard, c.epoch, c.position] for s in sorted(state.shards) for c in [self.cursors[s]]]
 
     def progress(self, msg: Progress) -> None:
         state = self.replicas.get(msg.replica)
@@ -230,10 +238,8 @@ class DataParallelJob:
         self.runner.event(EVENT_SHARD_REASSIGNED, shard=shard, to=name, epoch=self.cursors[shard].epoch,
                           position=self.cursors[shard].position)
         if donor.ref is not None:
-            cursors = [[self.cursors[s].shard, self.cursors[s].epoch, self.cursors[s].position]
-                       for s in sorted(donor.shards)]
             try:
-                donor.ref.tell_nowait(Shards(cursors, self.runner.epoch))
+                donor.ref.tell_nowait(Shards(self.cursors_of(donor), self.runner.epoch))
             except ActorError as exc:
                 log.warning("could not take shard %d from %s: %s", shard, donor_name, exc)
         return {shard}
@@ -255,12 +261,10 @@ class DataParallelJob:
             log.info("data shard %d goes to %s from epoch %d position %d", shard, name, cursor.epoch, cursor.position)
         for name in changed:
             state = self.replicas[name]
-            cursors = [[self.cursors[s].shard, self.cursors[s].epoch, self.cursors[s].position]
-                       for s in sorted(state.shards)]
             if state.ref is None:
                 continue  # it starts with the cursors of its assignment
             try:
-                state.ref.tell_nowait(Shards(cursors, self.runner.epoch))
+                state.ref.tell_nowait(Shards(self.cursors_of(state), self.runner.epoch))
             except ActorError as exc:
                 log.warning("could not hand shards to %s: %s", name, exc)
 
