@@ -79,6 +79,11 @@ class Replica(Actor):
     async def on_start(self) -> None:
         self.coordinator: ActorRef = self.system.ref(self.spec.coordinator)
         await self.run_blocking(self._setup)
+        if not self.cursors and not self.sync.pulls_params:
+            # no data yet (a p2p peer waiting for the others to start together): the sync gets ready now, so what
+            # reaches it meanwhile finds it (the peers' membership, told at each peer's start: without it a peer
+            # trained alone until the next repeat, a second later); a sync that pulls waits for its first step
+            await self.sync.ready()
         track_replica(self.system, self)
         self.running = True
         log.info("replica %s: training shards %s from %s", self.name, sorted(self.cursors),
