@@ -346,7 +346,8 @@ async def test_ps_sync_accumulates_steps_and_pushes_every_n_push() -> None:
 def test_downpour_over_a_shared_store_fetches_every_n_fetch_and_pushes_the_sum_every_n_push(
         n_fetch: int, n_push: int, optimizer: str) -> None:
     """The replica computes on its own copy: the store moves only at a push, by the optimizer on the gradients
-    summed since the last one; the copy becomes the store only at a fetch; :meth:`flush` applies what is left."""
+    summed since the last one, and by what the other replicas write meanwhile; the copy becomes the store only at a
+    fetch, the others' writes with it; :meth:`flush` applies what is left."""
     spec = OptimizerSpec(optimizer, 0.1, eps=1e-10)
     name = f"test-{uuid.uuid4().hex[:12]}"
     start = flatten_parameters(_model())
@@ -369,6 +370,9 @@ def test_downpour_over_a_shared_store_fetches_every_n_fetch_and_pushes_the_sum_e
         sync.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
         pending += np.concatenate([p.grad.numpy().ravel() for p in model.parameters() if p.grad is not None])
+        other = np.full_like(start, 1e-3 * step)  # another replica's write, just before this one's step
+        store.add(HOGWILD_SEGMENT, other)
+        expected_store = expected_store + other
         sync.step()
         assert all(p.grad is None for p in model.parameters())
         if step % n_push == 0:
