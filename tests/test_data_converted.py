@@ -294,6 +294,11 @@ def test_a_converted_set_trains_as_the_in_memory_source_does(tmp_path: Path, mni
     docs = run_jobs_together(tmp_path, MNIST5K_JOB, {f"{mode}-memory": {**fields, "dataset": "mnist5k"},
                                                      f"{mode}-converted": {**fields, "dataset": mnist_converted}})
     results = {label: docs[f"{mode}-{label}"]["final_accuracy"] for label in ("memory", "converted")}
+    trainers = {"downpour": "replicas", "hogwild": "workers", "p2p": "peers"}.get(mode)
+    if trainers is not None:  # the clock started once both trainers were ready (wait_for_*_s), not with the first
+        for label in ("memory", "converted"):
+            log = (tmp_path / f"{mode}-{label}" / "logs" / "coordinator0.log").read_text()
+            assert f"{trainers} start training: all 2 {trainers} are ready" in log
     if mode == "pipeline":  # synchronous stages, the same batches: the same run to the last bit (0.848 here)
         assert results["memory"] >= 0.8 and results["memory"] == results["converted"], results
     else:  # asynchronous workers (the interleaving differs run to run, 2 epochs gave 0.72-0.94), so no equality:

@@ -98,6 +98,12 @@ class DataParallelJob:
     """The replicas of a data-parallel job; subclasses say how parameters are shared and evaluated."""
 
     warm_start_steps = 0
+    wait_for_trainers_s = 0.0
+    """Seconds the first trainers ready wait for the others so that they all start together (each mode's
+    ``wait_for_replicas_s``, ``wait_for_workers_s``, ``wait_for_peers_s``); 0, or a warm start: each starts when it
+    is ready."""
+    trainers = "replicas"
+    """What the mode calls its trainers, in the log."""
 
     def __init__(self, config: Config, runner: Runner) -> None:
         import torch
@@ -123,6 +129,10 @@ class DataParallelJob:
         """What earlier runs of a resumed job trained."""
         self.unreported: set[str] = set()
         """Replicas adopted from a coordinator this one took the job over from that have not reported to it yet."""
+        self._held: set[str] = set()
+        """Trainers assigned without their data shards until they start together (``wait_for_trainers_s``)."""
+        self._all_started = False
+        self._first_ready: float | None = None
 
     def sync_spec(self) -> object:
         """The spec of the replicas' weight sync (any registered kind's: ``ReplicaSpec.sync``); each mode narrows it."""
@@ -151,7 +161,11 @@ class DataParallelJob:
                               cluster_steps=self.steps())
             log.info("replica %s joined; data shards %s", name, sorted(shards))
         state = self.replicas[name]
-        return Assignment(ReplicaSpec(self.model_spec, self.data_spec, self.optimizer_spec, self.cursors_of(state),
+        cursors = self.cursors_of(state)
+        if self._holding():  # its data shards are in the books, not yet in its spec: they come when all start
+            self._held.add(name)
+            cursors = []
+        return Assignment(ReplicaSpec(self.model_spec, self.data_spec, self.optimizer_spec, cursors,
                                       self.sync_spec(), self.runner.ref.address))
 
     async def ready(self, ready: Ready) -> None:
@@ -164,10 +178,44 @@ class DataParallelJob:
             if self.runner.ending:  # it came up after the job ended: it has nothing to train
                 await self.stop_one(state, "the job has ended")
 
+    # -- starting together ---------------------------------------------------------------
+    def _holding(self) -> bool:
+        return self.wait_for_trainers_s > 0 and not self.warm_start_steps and not self._all_started
+
     def start(self, name: str, state: _Replica) -> None:
-        """Replica ``name`` has its data and model: the clock starts with the first one (a mode may hold its replicas
-        back to start them together)."""
+        """Replica ``name`` has its data and model. While the trainers wait for each other it waits too, and all start
+        once every one is ready; otherwise (no waiting, or it came after the wait) it starts now, and the clock with
+        the first."""
+        if not self._holding():
+            self._hand_shards(name)
+            self.runner.mark_started()
+            return
+        if self._first_ready is None:
+            self._first_ready = time.monotonic()
+        ready = sum(r.ref is not None for n, r in self.replicas.items() if n in self._held and r.status == "alive")
+        if ready >= self.config.n_data_shards:
+            self._start_all(f"all {ready} {self.trainers} are ready")
+
+    def _start_all(self, why: str) -> None:
+        """Every ready trainer gets its data shards, and the clock starts."""
+        self._all_started = True
+        log.info("%s start training: %s", self.trainers, why)
+        for name in sorted(self._held):
+            self._hand_shards(name)
         self.runner.mark_started()
+
+    def _hand_shards(self, name: str) -> None:
+        """A held trainer that is ready gets its data shards (one not ready yet gets them when it is)."""
+        state = self.replicas.get(name)
+        if name not in self._held or state is None or state.ref is None:
+            return
+        self._held.discard(name)
+        if state.status != "alive" or not state.shards:
+            return
+        try:
+            state.ref.tell_nowait(Shards(self.cursors_of(state), self.runner.epoch))
+        except ActorError as exc:
+            log.warning("could not hand data shards to %s: %s", name, exc)
 
     def cursors_of(self, state: _Replica) -> list[list[int]]:
         """``[shard, epoch, position]`` of each data shard ``state`` owns, where it stands now."""
@@ -195,6 +243,10 @@ class DataParallelJob:
                 self.cursors[shard] = DataCursor(shard, epoch, position)
 
     def check(self, now: float) -> None:
+        if self._holding() and self._first_ready is not None and now - self._first_ready >= self.wait_for_trainers_s:
+            ready = sum(self.replicas[n].ref is not None for n in self._held if n in self.replicas)
+            self._start_all(f"{ready} of {self.config.n_data_shards} {self.trainers} ready after "
+                            f"{self.wait_for_trainers_s:g} s")
         for name, state in list(self.replicas.items()):
             if state.status != "alive":
                 continue
@@ -284,6 +336,7 @@ class DataParallelJob:
 
     def adopt(self, doc: dict[str, Any]) -> None:
         """Go on with the replicas :meth:`follow` described: the same processes train on, now reporting here."""
+        self._all_started = True  # they are training already: nothing to wait for
         now = time.monotonic()
         self.cursors = {s: DataCursor(s, e, p) for s, e, p in doc["cursors"]}
         self.samples_before, self.steps_before = int(doc["samples_before"]), int(doc["steps_before"])

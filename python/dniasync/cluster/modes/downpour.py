@@ -71,6 +71,10 @@ class DownpourConfig(Section, frozen=True):
     n_fetch: Annotated[int, Meta(ge=1, description="a replica pulls parameters every n_fetch steps")] = 1
     n_push: Annotated[int, Meta(ge=1, description="it pushes its accumulated gradient every n_push steps")] = 1
     warm_start_steps: Annotated[int, Meta(ge=0, description="steps the first replica runs alone before the others start")] = 0
+    wait_for_replicas_s: Annotated[float, Meta(ge=0.0, description=(
+        "seconds the replicas that are ready (data and model built) wait for the others before they start training "
+        "without them: the replicas start together once all n_replicas are ready, and the job's clock with them; a "
+        "replica ready later starts at once. 0 (or a warm start): each starts when it is ready"))] = 60.0
     codec: Annotated[Literal["none", "threshold", "onebit", "int8"], Meta(description=(
         "gradient compression: `threshold` (Strom), `onebit` (1-bit SGD), `int8` (blockwise 8-bit)"))] = "none"
     tau: Annotated[float, Meta(gt=0.0, description="the threshold; required with `threshold`")] | None = None
@@ -142,6 +146,7 @@ class _DownpourJob(DataParallelJob):
         super().__init__(config, runner)
         self.settings: DownpourConfig = config.settings
         self.warm_start_steps = self.settings.warm_start_steps
+        self.wait_for_trainers_s = self.settings.wait_for_replicas_s
         self.ranges = split_ranges(self.n_params, self.settings.n_ps_shards)
         self.codec = codec_spec(self.settings.codec, self.settings.tau, self.settings.block, self.settings.delta_tau,
                                 self.settings.resync_every)
@@ -258,6 +263,7 @@ class _Downpour(DataParallelMode):
         if config.sync_kind == "shm":
             job = SharedStoreJob(config, runner, sparse_mode(settings.sparse), settings.n_fetch, settings.n_push)
             job.warm_start_steps = settings.warm_start_steps
+            job.wait_for_trainers_s = settings.wait_for_replicas_s
             return job
         if settings.ps_replicas > 1:
             from ._replicated import ReplicatedDownpourJob

@@ -33,6 +33,10 @@ class HogwildConfig(Section, frozen=True):
     """Lock-free workers over one shared store (mode `hogwild`)."""
 
     n_workers: Annotated[int, Meta(ge=1, description="processes sharing one ParamStore; at most data.n_train")] = 1
+    wait_for_workers_s: Annotated[float, Meta(ge=0.0, description=(
+        "seconds the workers that are ready (data and model built) wait for the others before they start training "
+        "without them: the workers start together once all n_workers are ready, and the job's clock with them; a "
+        "worker ready later starts at once. 0: each starts when it is ready"))] = 60.0
     sparse: Annotated[Literal["auto"] | bool, Meta(description=(
         "step only the rows of an embedding table (`nn.Embedding`, `nn.EmbeddingBag` weights) that the gradient "
         "touched, so a worker never writes back rows another one is updating (the case Hogwild was designed "
@@ -70,7 +74,10 @@ class _Hogwild(DataParallelMode):
         return ()  # one shared store: no pushes, no bytes, no staleness to chart
 
     def job(self, config: Config, runner: Runner) -> SharedStoreJob:
-        return SharedStoreJob(config, runner, sparse_mode(config.settings.sparse))
+        job = SharedStoreJob(config, runner, sparse_mode(config.settings.sparse))
+        job.wait_for_trainers_s = config.settings.wait_for_workers_s
+        job.trainers = "workers"
+        return job
 
     def hosters(self) -> dict[type, Hoster]:
         return {ReplicaSpec: host_replica}

@@ -39,7 +39,6 @@ through the coordinator. The coordinator keeps job control only:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import math
@@ -59,10 +58,10 @@ from ...train.specs import P2PSpec, ReplicaSpec
 from .._schema import ConfigError, KeyProblem, Section
 from ..mode_api import Hoster, Snapshot
 from ..panels import Line, Panel
-from ..protocol import Assignment, JoinJob, NoJob, Ready
+from ..protocol import Ready
 from ..report import EVENT_REPLICA_JOINED
 from ..telemetry import P2P_CONSENSUS, P2P_JOB_PEERS
-from ._data_parallel import DataParallelJob, DataParallelMode, _Replica, host_replica, replica_name
+from ._data_parallel import DataParallelJob, DataParallelMode, _Replica, host_replica
 from ._peers import ask_peer_stats, inbox_of, ledgers_complete, tell_peers
 
 if TYPE_CHECKING:
@@ -115,57 +114,9 @@ class _P2PJob(DataParallelJob):
         self.consensus: list[dict[str, float]] = []
         """One entry per evaluation with two or more copies: seconds, samples, max, mean, peers."""
         self._peer_stats: dict[str, dict[str, Any]] = {}
-        self._held: set[str] = set()
-        """Peers assigned without their data shards until the peers start together (``wait_for_peers_s``)."""
-        self._waiting = self.settings.wait_for_peers_s > 0
-        self._first_ready: float | None = None
+        self.wait_for_trainers_s = self.settings.wait_for_peers_s
+        self.trainers = "peers"
         track(runner.system, _JOBS, runner.ref, self)
-
-    # -- starting together -----------------------------------------------------------------
-    def assign(self, join: JoinJob) -> Assignment | NoJob:
-        """While the peers wait for each other, a peer gets its data shards in the books but not in its spec."""
-        out = super().assign(join)
-        if self._waiting and isinstance(out, Assignment):
-            self._held.add(replica_name(join.member))
-            out = Assignment(dataclasses.replace(out.spec, cursors=[]))
-        return out
-
-    def start(self, name: str, state: _Replica) -> None:
-        if not self._waiting:
-            self._hand_shards(name)
-            self.runner.mark_started()
-            return
-        if self._first_ready is None:
-            self._first_ready = time.monotonic()
-        ready = sum(r.ref is not None for n, r in self.replicas.items() if n in self._held and r.status == "alive")
-        if ready >= self.settings.n_peers:
-            self._start_all(f"all {ready} peers are ready")
-
-    def _start_all(self, why: str) -> None:
-        """The peers waited long enough: every ready one gets its data shards, and the clock starts."""
-        self._waiting = False
-        log.info("peers start training: %s", why)
-        for name in sorted(self._held):
-            self._hand_shards(name)
-        self.runner.mark_started()
-
-    def _hand_shards(self, name: str) -> None:
-        """A held peer that is ready gets its data shards (one not ready yet gets them when it is)."""
-        state = self.replicas.get(name)
-        if name not in self._held or state is None or state.ref is None:
-            return
-        self._held.discard(name)
-        if state.status != "alive" or not state.shards:
-            return
-        try:
-            state.ref.tell_nowait(Shards(self.cursors_of(state), self.runner.epoch))
-        except ActorError as exc:
-            log.warning("could not hand shards to %s: %s", name, exc)
-
-    def adopt(self, doc: dict[str, Any]) -> None:
-        """A standby coordinator takes over peers that are training already: nothing to wait for."""
-        self._waiting = False
-        super().adopt(doc)
 
     # -- membership ------------------------------------------------------------------------
     def _inbox(self, state: _Replica) -> ActorRef:
@@ -200,9 +151,6 @@ class _P2PJob(DataParallelJob):
 
     def check(self, now: float) -> None:
         super().check(now)
-        if self._waiting and self._first_ready is not None and now - self._first_ready >= self.settings.wait_for_peers_s:
-            ready = sum(self.replicas[n].ref is not None for n in self._held if n in self.replicas)
-            self._start_all(f"{ready} of {self.settings.n_peers} peers ready after {self.settings.wait_for_peers_s:g} s")
         if now - self._told_at >= PEERS_REPEAT_S:
             self._tell_peers(changed=False)
 
