@@ -86,9 +86,7 @@ class Replica(Actor):
             await self.sync.ready()
         track_replica(self.system, self)
         self.running = True
-        log.info("replica %s: training shards %s from %s", self.name, sorted(self.cursors),
-                 ", ".join(f"shard {c.shard} epoch {c.epoch} position {c.position}"
-                           for _, c in sorted(self.cursors.items())))
+        log.info("replica %s: training shards %s", self.name, self._where())
         # reports go on a clock of their own: a step waiting on a frozen PS shard must not look like death
         self._reporter = asyncio.create_task(self._report_forever(), name=f"{self.name}-progress")
         self._next_step()
@@ -132,6 +130,11 @@ class Replica(Actor):
     @property
     def dense_bytes_pushed(self) -> int:
         return self.sync.stats().dense_bytes_pushed
+
+    def _where(self) -> str:
+        """Its data shards and where in each it starts, for the log (tests read the positions there)."""
+        return f"{sorted(self.cursors)} from " + ", ".join(
+            f"shard {c.shard} epoch {c.epoch} position {c.position}" for _, c in sorted(self.cursors.items()))
 
     def _set_cursors(self, triples: list[list[int]]) -> None:
         self.cursors = {s: DataCursor(s, e, p) for s, e, p in triples}
@@ -293,7 +296,7 @@ class Replica(Actor):
             return
         idle = not self.cursors
         self._set_cursors(msg.cursors)
-        log.info("replica %s: now training shards %s", self.name, sorted(self.cursors))
+        log.info("replica %s: now training shards %s", self.name, self._where())
         if idle and self.cursors and self.running:
             self._next_step()
 
