@@ -33,7 +33,9 @@ for ``dni_ps`` and ``spectrain_ps``, on the MLP (``cnn_``-prefixed: the CNN);
 torch, MLP) and ``downpour_vs_torch_all_cores_time_to_92`` (the fastest Downpour variant). For the 2-process
 cells, ``where_time_goes`` splits each method's time ratio against all-core torch into its two factors:
 samples/s (method / torch) and samples to 92% (torch / method). A method that never reaches a target has no
-time: its ratio is left out and said so in ``results.missing_ratios``.
+time: its ratio is left out and said so in ``results.missing_ratios``. Rows run again later (``--rows``) may run
+on another host: each method entry records its ``machine`` (the CPU), and the one-box ratios and
+``where_time_goes`` take only the methods whose rows ran on all-core torch's machine.
 
     python benchmarks/bench_hypothesis.py            # the full run (its expected wall time is printed first)
     python benchmarks/bench_hypothesis.py --quick    # MLP only, 1 seed, 7 rows, 3 epochs or 15 s, the middle lr
@@ -307,6 +309,18 @@ def other_seeds(cell: str, model: str, workers: int, chosen: Sequence[tuple[Vari
     return rows
 
 
+def machine_name() -> str | None:
+    """The CPU a method's runs are on: rows run again later may be on another host of this kind, and the ratios
+    compare only rows of one machine."""
+    return _common.cpu()["cpu_model"]
+
+
+def on_machine(cell: dict[str, Any], label: str, reference: str = "torch:all-cores") -> bool:
+    """``label``'s rows ran on the machine ``reference``'s did."""
+    methods = cell["methods"]
+    return methods.get(label, {}).get("machine") == methods.get(reference, {}).get("machine")
+
+
 def method_entry(v: Variant, setup: Setup, lr: float, rows: Sequence[dict[str, Any]],
                  sweep: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """A method's result: its best lr, the lrs it ran at, the aggregate over its seeds at that lr."""
@@ -319,6 +333,7 @@ def method_entry(v: Variant, setup: Setup, lr: float, rows: Sequence[dict[str, A
         "cannot_run": next((r["error"] for r in rows if r["status"] == "cannot run"), None),
         "aggregate": aggregate(ran, TARGETS) if ran else None,
         "runs": [_brief(r) for r in rows],
+        "machine": machine_name(),
     }
 
 
@@ -349,7 +364,8 @@ def run_cell(model: str, workers: int, labels: Sequence[str], setup: Setup, seed
     if saved is not None:  # the rows not re-run, as the earlier run measured them
         out["methods"] = {label: methods[label] if label in methods else saved["methods"][label] for label in labels}
         out["sweep"] = [r for r in saved["sweep"] if r["label"] not in methods] + out["sweep"]
-        out["rows_rerun"] = [*saved.get("rows_rerun", []), {"rows": list(methods), "wall_s": out["wall_s"]}]
+        out["rows_rerun"] = [*saved.get("rows_rerun", []), {"rows": list(methods), "wall_s": out["wall_s"],
+                                                             "machine": _common.machine()}]
         out["wall_s"] += saved.get("wall_s", 0.0)
     (WORK / cell / "cell.json").write_text(json.dumps(
         {"fingerprint": fingerprint(model, workers, labels, setup, seed0), "cell": out}, indent=1))
@@ -429,7 +445,8 @@ def ratios_of(cells: dict[str, dict[str, Any]]) -> tuple[dict[str, float], dict[
         ratios[name] = ref / mine
         spread[name] = {"reference": reference, "method": label, "cell": cell_name,
                         "reference_median_s": ref, "method_median_s": mine,
-                        "seed_paired": paired(cell, reference, label, target)}
+                        "seed_paired": paired(cell, reference, label, target),
+                        "machine": cell["methods"][label].get("machine")}
 
     for prefix, model in (("", "mlp"), ("cnn_", "cnn")):
         for rule in ("cdni", "dni", "spectrain"):
@@ -437,11 +454,13 @@ def ratios_of(cells: dict[str, dict[str, Any]]) -> tuple[dict[str, float], dict[
         cell = cells.get(f"{model}_2w")
         if cell is None:
             continue
-        downpours = {label: median_time(cell, label, 0.92) for label in cell["methods"] if label.startswith("downpour")}
+        downpours = {label: median_time(cell, label, 0.92) for label in cell["methods"]
+                     if label.startswith("downpour") and on_machine(cell, label)}
         fastest = min((k for k, t in downpours.items() if t is not None), key=lambda k: downpours[k] or 0.0,
                       default="downpour")
         put(f"{prefix}downpour_vs_torch_all_cores_time_to_92", f"{model}_2w", "torch:all-cores", fastest, 0.92)
-        ours = {label: median_time(cell, label, 0.92) for label in cell["methods"] if not label.startswith("torch:")}
+        ours = {label: median_time(cell, label, 0.92) for label in cell["methods"]
+                if not label.startswith("torch:") and on_machine(cell, label)}
         reached = {k: t for k, t in ours.items() if t is not None}
         if reached:
             best = min(reached, key=lambda k: reached[k])
@@ -465,8 +484,8 @@ def where_time_goes(cell: dict[str, Any], target: float = 0.92) -> dict[str, dic
     out: dict[str, dict[str, float | None]] = {}
     for label, m in cell["methods"].items():
         agg = m.get("aggregate")
-        if agg is None or label == "torch:all-cores":
-            continue
+        if agg is None or label == "torch:all-cores" or not on_machine(cell, label):
+            continue  # (rows of another machine: not against this torch)
         rate = agg["samples_per_s"]["median"] / ref_rate if ref_rate else None
         needed = agg["samples_to_target"][f"{target:g}"]["median"]
         fewer = ref_samples / needed if ref_samples and needed else None
