@@ -306,5 +306,9 @@ class Replica(Actor):
             return
         if self.running:
             self.running = False
+            try:  # what the sync set aside goes now (no step runs: one message at a time)
+                await self.sync.flush()
+            except ActorError as exc:
+                log.warning("replica %s: what it set aside could not be shared at the stop: %s", self.name, exc)
             await self._report()
         log.info("replica %s: stopped training (%s)", self.name, msg.reason)

@@ -124,7 +124,8 @@ P2P_UPDATES = FAMILIES.counter(
     "Peer-to-peer updates: own sent (sent), forwarded for others (forwarded), received new (received), "
     "received again (duplicate), applied to the shared copy (applied), not sent to a silent or full peer (skipped); "
     "steps whose change waited for a later update while a link was busy (held: flow control); own updates "
-    "that carried only as many codes as their links' cap (capped).",
+    "of held steps coded when the trainer stopped (flushed); own updates that carried only as many codes as their "
+    "links' cap (capped).",
     "event")
 P2P_DENSE = FAMILIES.counter("dniasync_p2p_dense_copies_total",
                              "Dense copies of the shared weights a peer took from a neighbour, gave one, or asked for in vain "

@@ -28,8 +28,11 @@ through the coordinator. The coordinator keeps job control only:
   differ by float rounding only). Copying every peer's
   weights instead would cost N dense copies per evaluation on the training's
   links;
-- at the end it waits (at most :data:`SETTLE_S`) for every live peer's ledger
-  to hold every update the live peers sent, then puts each peer's counters
+- at the end it waits (at most :data:`SETTLE_S`) for every live peer to have
+  stopped (its held change sent; from then on it applies what it receives at
+  once, with local steps too) and its ledger to hold every update the live
+  peers sent; the last evaluation scores a copy then, so the final accuracy is
+  of the weights every peer ends with. It then puts each peer's counters
   and ledger, the bytes sent per step and the consensus figures into the
   summary (``consensus_distance_settled``: the distance once settled, which
   only float rounding keeps above 0; from the sketches too, which give exactly
@@ -114,6 +117,11 @@ class _P2PJob(DataParallelJob):
         self.consensus: list[dict[str, float]] = []
         """One entry per evaluation with two or more copies: seconds, samples, max, mean, peers."""
         self._peer_stats: dict[str, dict[str, Any]] = {}
+        self._stopped = False
+        self._settled: tuple[dict[str, dict[str, Any]], bool] | None = None
+        """The peers' stats once settled after the stop (the last evaluation waits for it; the summary reads it)."""
+        self._settle_s: float | None = None
+        """How long the last evaluation waited for the copies to settle (that evaluation is dated at the stop)."""
         self.wait_for_trainers_s = self.settings.wait_for_peers_s
         self.trainers = "peers"
         track(runner.system, _JOBS, runner.ref, self)
@@ -179,11 +187,25 @@ class _P2PJob(DataParallelJob):
         self._tell_peers(changed=True)
 
     # -- evaluation and consensus ------------------------------------------------------------
+    async def stop(self, reason: str) -> None:
+        await super().stop(reason)
+        self._stopped = True
+
     async def snapshot(self) -> Snapshot:
-        """One live peer's weights, scored; the consensus distance over every live peer from their sketches."""
+        """One live peer's weights, scored; the consensus distance over every live peer from their sketches.
+
+        After the stop (the last evaluation) the copies settle first: every update sent has landed in every copy,
+        the last ones too (a peer's held change goes at its stop, and received ones go in at once from then on), so
+        the job's final accuracy is that of the weights every peer holds, not of one peer caught mid-exchange."""
+        if self._stopped and self._settled is None:
+            start = time.monotonic()
+            self._settled = await self._settled_stats()
+            self._settle_s = time.monotonic() - start
         live = self._live()
         if not live:
             raise ActorError("no live peer to take weights from")
+        if self._stopped:  # settled (consensus_distance_settled says how far apart): the series is of training
+            return Snapshot(await self._dense_copy(live))
         copy, sketches = await asyncio.gather(self._dense_copy(live), self._sketches(live))
         if len(sketches) >= 2:
             self.consensus.append({"seconds": time.monotonic() - self._t0, "samples": float(self.samples()),
@@ -234,15 +256,17 @@ class _P2PJob(DataParallelJob):
             stats = await self._ask_stats()
             complete = ledgers_complete(stats)
             sent = {s["origin"]: int(s["sent"]) for s in stats.values()}
-            # and nothing sent since the last ask: a peer may still take a step after StopTraining was told
-            if (complete and sent == before) or time.monotonic() >= deadline:
+            # and nothing sent since the last ask: a peer may still take a step after StopTraining was told; and
+            # every peer has stopped (it then sent its held change, and applies what it receives at once)
+            stopped = all(s.get("stopped", True) for s in stats.values())
+            if (complete and stopped and sent == before) or time.monotonic() >= deadline:
                 return stats, complete
             before = sent
             await asyncio.sleep(0.2)
 
     async def record(self, report: RunReport) -> None:
         await super().record(report)
-        stats, complete = await self._settled_stats()
+        stats, complete = self._settled or await self._settled_stats()
         self._peer_stats = stats
         live = self._live()
         report.set_metric("peers_alive", len(live))
@@ -251,12 +275,14 @@ class _P2PJob(DataParallelJob):
         report.set_metric("bytes_sent_per_step", report.bytes_pushed / steps if steps else 0.0)
         report.set_metric("dense_bytes_per_step", 4.0 * self.n_params)
         report.set_metric("p2p_ledgers_complete", complete)
+        if self._settle_s is not None:
+            report.set_metric("settle_s", self._settle_s)
         origins = {s["origin"]: name for name, s in stats.items()}
         for name, s in stats.items():
             report.set_metric(f"p2p/{name}/sent", int(s["sent"]))
             report.set_metric(f"p2p/{name}/steps", int(s["steps"]))
             for counter in ("dense_taken", "dense_given", "dense_failed", "received", "duplicate", "forwarded",
-                            "skipped", "held", "capped", "resends_asked", "resent", "lost_own"):
+                            "skipped", "held", "flushed", "capped", "resends_asked", "resent", "lost_own"):
                 report.set_metric(f"p2p/{name}/{counter}", int(s["counters"][counter]))
             for origin, count in s["ledger"].items():
                 if origin in origins:

@@ -283,7 +283,8 @@ def _collect(system: ActorSystem, syncs: Sequence[P2PSync]) -> Iterator[Metric]:
         c = sync.counters
         add_sample(families[P2P_BYTES], ["sent"], c.bytes_sent)
         add_sample(families[P2P_BYTES], ["received"], c.bytes_received)
-        for event in ("sent", "forwarded", "received", "duplicate", "applied", "skipped", "held", "capped"):
+        for event in ("sent", "forwarded", "received", "duplicate", "applied", "skipped", "held", "flushed",
+                      "capped"):
             add_sample(families[P2P_UPDATES], [event], getattr(c, event))
         add_sample(families[P2P_DENSE], ["taken"], c.dense_taken)
         add_sample(families[P2P_DENSE], ["given"], c.dense_given)
@@ -307,6 +308,8 @@ class _Counters:
     skipped: int = 0
     held: int = 0
     """Steps whose change waited for a later update: a link was still busy with earlier ones (flow control)."""
+    flushed: int = 0
+    """Own updates coded when the trainer stopped, of steps flow control held (no step coded them)."""
     capped: int = 0
     """Updates that carried only the cap's bytes of their codes (the rest went with later ones; see ``_code``)."""
     resends_asked: int = 0
@@ -414,6 +417,8 @@ class P2PSync:
         self._started = False
         self._closed = False
         self._restart_pending = False
+        self._stopped = False
+        """The trainer stopped training (:meth:`flush`) and has not stepped since: received updates go in at once."""
 
     # -- WeightSync: the trainer's side -------------------------------------------------
     @property
@@ -500,6 +505,7 @@ class P2PSync:
         if not self._started:
             self._started = True
             await self._start()
+        self._stopped = False
         if self._restart_pending and not self._coded and self.inner == 0:  # no step runs now: safe to restart
             self._restart_local()
 
@@ -546,10 +552,26 @@ class P2PSync:
         return self.lr * self.scale
 
     async def flush(self) -> None:
+        """The trainer stops training: a change flow control held goes now, and from now on (until it steps again)
+        every received update is applied as it arrives, as those waiting for an outer step are now (local steps:
+        no outer step comes any more), so that once every update has landed every copy holds them all."""
         if self.inner >= self.spec.local_steps:  # steps flow control held back: their change goes now
             self.inner = 0
             self._coded.append(self._code(self._own_change()))
+            self.counters.flushed += 1
         await self.sync(0)
+        self._stopped = True
+        self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        """Local steps, training stopped: the received pseudo-gradients waiting, each over N, without the outer
+        momentum (no outer step comes to give it; with the default momentum 0 the same as an outer step would)."""
+        if not self._pending:
+            return
+        lr = np.float32(self.spec.outer_lr / max(len(self.members), 1))
+        for _, _, update in self._pending:
+            self.w += lr * update
+        self._pending.clear()
 
     def relinked(self, layers: nn.Module) -> WeightSync:
         raise NotImplementedError("p2p sharing is for data-parallel replicas: their layers never move")
@@ -695,6 +717,8 @@ class P2PSync:
         else:
             self._pending.append((msg.origin, msg.seq, self._decode(msg.codec, msg.payload)))
             self._mark(msg.origin, msg.seq)
+            if self._stopped:
+                self._apply_pending()
 
     def _compressed(self, codec: str, payload: np.ndarray) -> CompressedTensor:
         if codec != self.spec.codec:
@@ -826,6 +850,8 @@ class P2PSync:
         self.counters.dense_taken += 1
         self.counters.bytes_received += int(reply.values.nbytes)
         self._restart_pending = True  # the trainer restarts from the copy between two steps (ready or sync)
+        if self._stopped:
+            self._apply_pending()
         log.info("peer %s: took a dense copy from %s (%d steps there)", self.me, reply.peer, reply.steps)
         return True
 
@@ -899,7 +925,7 @@ class P2PSync:
             "peer": self.me, "origin": self.origin, "sent": self.seq, "steps": self.steps,
             "ledger": {o: r.count() for o, r in self.ledger.items()},
             "complete": {o: r.have for o, r in self.ledger.items()},
-            "lag": self.lag(), "members": list(self.members),
+            "lag": self.lag(), "members": list(self.members), "stopped": self._stopped,
             "counters": {name: int(getattr(c, name)) for name in c.__dataclass_fields__},
         }
 
