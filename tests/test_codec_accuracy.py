@@ -21,8 +21,9 @@ tau 0.05  0.928 0.926 0.921 0.919     1/21
 tau 0.2   0.910 0.902 0.908 0.904     1/38          0.899 0.899
 ========  ==========================  ============  ===================
 
+(On a faster host since, tau 0.01 ends further under: see :data:`SMALL_TAU_MARGIN`.)
 The bar is 3 points under the reference, each run scored by the mean of its last 3 evaluations (the spread between runs of one setting
-reaches 2). tau 0.01 and 0.05 are held against uncompressed. tau 0.2 ends 2-3
+reaches 2). tau 0.01, 0.02 (the example's) and 0.05 are held against uncompressed. tau 0.2 ends 2-3
 points under uncompressed with any pulls, the cost of its pushes (1,600x fewer
 bytes pushed), so it is held against the same pushes with every pull dense
 (``resync_every = 1``): what the pulled deltas cost. Under the old default
@@ -74,15 +75,24 @@ max_epochs = 10
 max_seconds = 240
 
 [eval]
-every_seconds = 1.0
+every_steps = 125
 """
 
 N_PARAMS = 784 * 64 + 64 + 64 * 10 + 10
 MARGIN = 0.03
 """How far under the uncompressed run's held-out accuracy a compressed run may end."""
+SMALL_TAU_MARGIN = 0.05
+"""The same for tau 0.01, which costs more than the larger ones: each push moves an element by at most tau, so
+Adagrad's large first gradients take the most pushes to arrive. Measured on an "AMD EPYC" host (10 runs of each,
+two test files at a time; mean of the last 3 evaluations): none 0.915-0.927, tau 0.01 0.888-0.908 (1.2-3.8 points
+under the run beside it, median 2.8), tau 0.02 (the example's) 0.909-0.923, tau 0.05 0.921-0.929. 5 points: above
+the measured gaps; the bug this test was written for cost 8-20."""
 LAST_ROWS = 3
-"""Each run's accuracy is the mean of its last evaluations (one a second): a single asynchronous run's last
-row moves by a point or two from one evaluation to the next (a CI run under load: 0.900 against 0.931)."""
+"""Each run's accuracy is the mean of its last evaluations (one an epoch: every 125 steps of the 4 replicas
+together, so the rows compared are at the same points of training in every run): a single asynchronous run's last
+row moves by a point or two from one evaluation to the next (a CI run under load: 0.900 against 0.931). One a
+second, as before, made the rows depend on the machine's speed: a 10-epoch job takes 2-3 s, and a CI run compared
+one run's rows at 26,824 / 39,984 / 41,792 samples (0.884) with the other's at 23,208 / 37,336 / 41,216 (0.918)."""
 
 
 def end_accuracy(doc: dict[str, Any]) -> float:
@@ -117,12 +127,14 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return run
 
 
-@pytest.mark.parametrize(("tau", "against"), [(0.01, "none"), (0.05, "none"), (0.2, "dense pulls, tau 0.2")])
+@pytest.mark.parametrize(("tau", "against", "margin"), [
+    (0.01, "none", SMALL_TAU_MARGIN), (0.02, "none", MARGIN), (0.05, "none", MARGIN),
+    (0.2, "dense pulls, tau 0.2", MARGIN)])
 def test_threshold_both_ways_keeps_the_accuracy_of_dense_pulls_with_fewer_bytes(
-        tmp_path: Path, reference: Any, tau: float, against: str) -> None:
+        tmp_path: Path, reference: Any, tau: float, against: str, margin: float) -> None:
     doc = run_codec_job(tmp_path, f"threshold_{tau}", f'codec = "threshold"\ntau = {tau}')
     ref = reference(against)
-    assert end_accuracy(doc) >= end_accuracy(ref) - MARGIN, (
+    assert end_accuracy(doc) >= end_accuracy(ref) - margin, (
         f"tau {tau}: {end_accuracy(doc):.3f} against {end_accuracy(ref):.3f} ({against}), over the last "
         f"{LAST_ROWS} evaluations")
     metrics = doc["metrics"]
