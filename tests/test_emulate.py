@@ -191,10 +191,12 @@ def test_a_node_gets_its_cpu_share() -> None:
         got = [float(p.communicate(timeout=60)[0]) for p in procs]
         stat = (emu.cgroup("a") / "cpu.stat").read_text()
     on_a, on_b = got[0] + got[1], got[2]
-    # the quota caps a host's processes together (10% over for accounting at period edges); a loaded
-    # machine may give less than the quota, never nothing
-    assert 0.05 < on_a <= share * 1.1 + 0.02, got
-    assert 0.05 < on_b <= share * 1.1 + 0.02, got
+    # the quota caps a host's processes together (10% over for accounting at period edges)
+    assert 0 < on_a <= share * 1.1 + 0.02, got
+    assert 0 < on_b <= share * 1.1 + 0.02, got
+    # and the host got its share: a period in which the kernel throttled its group is one in which the group used
+    # its whole quota (its two loops wanted more). How much of the run a loaded machine allows that is its business
+    # (a CI run beside another test file's jobs gave host a 0.045 of a core in all, b 0.042): not a lower bound here
     throttled = int(re.search(r"nr_throttled (\d+)", stat).group(1))  # type: ignore[union-attr]
     assert throttled > 0, stat
 
