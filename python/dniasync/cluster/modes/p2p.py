@@ -282,7 +282,7 @@ class _P2PJob(DataParallelJob):
             report.set_metric(f"p2p/{name}/sent", int(s["sent"]))
             report.set_metric(f"p2p/{name}/steps", int(s["steps"]))
             for counter in ("dense_taken", "dense_given", "dense_failed", "received", "duplicate", "forwarded",
-                            "skipped", "held", "flushed", "capped", "resends_asked", "resent", "lost_own"):
+                            "skipped", "held", "flushed", "capped", "resends_asked", "resent", "lost_own", "waited_ms"):
                 report.set_metric(f"p2p/{name}/{counter}", int(s["counters"][counter]))
             for origin, count in s["ledger"].items():
                 if origin in origins:
