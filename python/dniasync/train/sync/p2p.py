@@ -136,6 +136,9 @@ DENSE_TIMEOUT_S: Final = 10.0
 DENSE_MIN_RATE: Final = 1 << 20
 LINK_POLL_S: Final = 0.002
 """How often a peer waiting for its busy links (local steps, held too long) looks at them again."""
+LINK_WAIT_MAX_S: Final = 1.0
+"""The longest one such wait: the trainer's messages (a stop) queue behind the step that waits, so after this it
+takes one more step (held) and waits again."""
 """Bytes/s a dense copy is given on top of ``DENSE_TIMEOUT_S`` (a 23 MB model: 22 s more)."""
 
 
@@ -579,9 +582,10 @@ class P2PSync:
         own steps) ends as a quarter of a model that drifted apart: on a loaded 2-core machine 4 peers of a small MLP
         sent 31 updates in 2,517 steps and the job ended at 0.762 against 0.908 with one step per update. With one
         step per update a held step stays in the local weights in full and every received update lands in them,
-        so those peers train on."""
+        so those peers train on. At most :data:`LINK_WAIT_MAX_S` at a time (the trainer's own messages wait)."""
         started = self.ctx.clock()
-        while self._links_busy() and not self._stopped and not self._closed:
+        while (self._links_busy() and not self._stopped and not self._closed
+               and self.ctx.clock() - started < LINK_WAIT_MAX_S):
             await asyncio.sleep(LINK_POLL_S)
         self.counters.waited_ms += round(1000 * (self.ctx.clock() - started))
 
