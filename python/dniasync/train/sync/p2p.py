@@ -134,12 +134,12 @@ RESEND_PATIENCE_S: Final = 5.0
 origin's link is busy a resend waits: on a saturated link that can take many ticks)."""
 DENSE_TIMEOUT_S: Final = 10.0
 DENSE_MIN_RATE: Final = 1 << 20
+"""Bytes/s a dense copy is given on top of ``DENSE_TIMEOUT_S`` (a 23 MB model: 22 s more)."""
 LINK_POLL_S: Final = 0.002
 """How often a peer waiting for its busy links (local steps, held too long) looks at them again."""
 LINK_WAIT_MAX_S: Final = 1.0
 """The longest one such wait: the trainer's messages (a stop) queue behind the step that waits, so after this it
 takes one more step (held) and waits again."""
-"""Bytes/s a dense copy is given on top of ``DENSE_TIMEOUT_S`` (a 23 MB model: 22 s more)."""
 
 
 def inbox_name(trainer: str) -> str:
@@ -577,15 +577,14 @@ class P2PSync:
 
     async def _wait_for_links(self) -> None:
         """Local steps, held for H steps more: no more steps until the links take the update (or the peers they lead
-        to fall silent, or training stops). A peer's pseudo-gradient weighs 1/N wherever it lands, so one that trained
+        to fall silent, or the node closes). A peer's pseudo-gradient weighs 1/N wherever it lands, so one that trained
         alone for hundreds of steps (its loop, which drains its links and takes the others' updates, starved by its
         own steps) ends as a quarter of a model that drifted apart: on a loaded 2-core machine 4 peers of a small MLP
         sent 31 updates in 2,517 steps and the job ended at 0.762 against 0.908 with one step per update. With one
         step per update a held step stays in the local weights in full and every received update lands in them,
         so those peers train on. At most :data:`LINK_WAIT_MAX_S` at a time (the trainer's own messages wait)."""
         started = self.ctx.clock()
-        while (self._links_busy() and not self._stopped and not self._closed
-               and self.ctx.clock() - started < LINK_WAIT_MAX_S):
+        while self._links_busy() and not self._closed and self.ctx.clock() - started < LINK_WAIT_MAX_S:
             await asyncio.sleep(LINK_POLL_S)
         self.counters.waited_ms += round(1000 * (self.ctx.clock() - started))
 
