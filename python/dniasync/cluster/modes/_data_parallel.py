@@ -133,6 +133,9 @@ class DataParallelJob:
         """Trainers assigned without their data shards until they start together (``wait_for_trainers_s``)."""
         self._all_started = False
         self._first_ready: float | None = None
+        self._warming: str | None = None
+        """With a warm start (and the trainers waiting for each other): the trainer training alone, the others ready
+        and held until it has taken ``warm_start_steps`` steps (or is gone)."""
 
     def sync_spec(self) -> object:
         """The spec of the replicas' weight sync (any registered kind's: ``ReplicaSpec.sync``); each mode narrows it."""
@@ -145,7 +148,8 @@ class DataParallelJob:
     def assign(self, join: JoinJob) -> Assignment | NoJob:
         name = replica_name(join.member)
         warm = self.warm_start_steps
-        if warm and self.replicas and name not in self.replicas and not any(r.steps >= warm for r in self.replicas.values()):
+        if warm and not self.wait_for_trainers_s and self.replicas and name not in self.replicas \
+                and not any(r.steps >= warm for r in self.replicas.values()):
             return NoJob(f"warm start: the first replica runs {warm} steps alone", retry=True)
         old = self.replicas.get(name)
         now = time.monotonic()
@@ -180,7 +184,7 @@ class DataParallelJob:
 
     # -- starting together ---------------------------------------------------------------
     def _holding(self) -> bool:
-        return self.wait_for_trainers_s > 0 and not self.warm_start_steps and not self._all_started
+        return self.wait_for_trainers_s > 0 and (not self._all_started or self._warming is not None)
 
     def start(self, name: str, state: _Replica) -> None:
         """Replica ``name`` has its data and model. While the trainers wait for each other it waits too, and all start
@@ -190,6 +194,8 @@ class DataParallelJob:
             self._hand_shards(name)
             self.runner.mark_started()
             return
+        if self._all_started:  # started, in the warm start: it waits for its end (``_end_warm_start``)
+            return
         if self._first_ready is None:
             self._first_ready = time.monotonic()
         ready = sum(r.ref is not None for n, r in self.replicas.items() if n in self._held and r.status == "alive")
@@ -197,12 +203,25 @@ class DataParallelJob:
             self._start_all(f"all {ready} {self.trainers} are ready")
 
     def _start_all(self, why: str) -> None:
-        """Every ready trainer gets its data shards, and the clock starts."""
+        """Every ready trainer gets its data shards, and the clock starts. With a warm start only the first that
+        joined does: the others, ready too, get theirs once it has taken ``warm_start_steps`` steps."""
         self._all_started = True
         log.info("%s start training: %s", self.trainers, why)
+        first = next((n for n, r in self.replicas.items() if n in self._held and r.ref is not None), None)
+        if self.warm_start_steps and first is not None:
+            self._warming = first
+            log.info("warm start: %s trains alone for %d steps", first, self.warm_start_steps)
+            self._hand_shards(first)
+        else:
+            for name in sorted(self._held):
+                self._hand_shards(name)
+        self.runner.mark_started()
+
+    def _end_warm_start(self, why: str) -> None:
+        self._warming = None
+        log.info("warm start ends: %s; the other %s start", why, self.trainers)
         for name in sorted(self._held):
             self._hand_shards(name)
-        self.runner.mark_started()
 
     def _hand_shards(self, name: str) -> None:
         """A held trainer that is ready gets its data shards (one not ready yet gets them when it is)."""
@@ -231,6 +250,8 @@ class DataParallelJob:
         self.runner.report.add_bytes(pushed=msg.bytes_pushed - state.bytes_pushed,
                                      pulled=msg.bytes_pulled - state.bytes_pulled)
         state.samples, state.steps = msg.samples, msg.steps
+        if self._warming == msg.replica and msg.steps >= self.warm_start_steps:
+            self._end_warm_start(f"{msg.replica} took {msg.steps} steps")
         state.bytes_pushed, state.bytes_pulled = msg.bytes_pushed, msg.bytes_pulled
         state.dense_bytes_pushed = msg.dense_bytes_pushed
         if msg.batch_size and msg.batch_size != state.batch_size:
@@ -247,6 +268,9 @@ class DataParallelJob:
             ready = sum(self.replicas[n].ref is not None for n in self._held if n in self.replicas)
             self._start_all(f"{ready} of {self.config.n_data_shards} {self.trainers} ready after "
                             f"{self.wait_for_trainers_s:g} s")
+        warming = self.replicas.get(self._warming) if self._warming is not None else None
+        if self._warming is not None and (warming is None or warming.status != "alive"):
+            self._end_warm_start(f"{self._warming} is gone")
         for name, state in list(self.replicas.items()):
             if state.status != "alive":
                 continue
@@ -337,6 +361,7 @@ class DataParallelJob:
     def adopt(self, doc: dict[str, Any]) -> None:
         """Go on with the replicas :meth:`follow` described: the same processes train on, now reporting here."""
         self._all_started = True  # they are training already: nothing to wait for
+        self._warming = None
         now = time.monotonic()
         self.cursors = {s: DataCursor(s, e, p) for s, e, p in doc["cursors"]}
         self.samples_before, self.steps_before = int(doc["samples_before"]), int(doc["steps_before"])

@@ -70,11 +70,14 @@ class DownpourConfig(Section, frozen=True):
         "the flat parameter vector is cut into this many contiguous ranges (at most the number of parameters)"))] = 1
     n_fetch: Annotated[int, Meta(ge=1, description="a replica pulls parameters every n_fetch steps")] = 1
     n_push: Annotated[int, Meta(ge=1, description="it pushes its accumulated gradient every n_push steps")] = 1
-    warm_start_steps: Annotated[int, Meta(ge=0, description="steps the first replica runs alone before the others start")] = 0
+    warm_start_steps: Annotated[int, Meta(ge=0, description=(
+        "steps the first replica runs alone before the others start (DistBelief's warm start). While the replicas "
+        "wait for each other (`wait_for_replicas_s`), the others build their data and model meanwhile and start "
+        "once its progress report says it took them; with 0 s of waiting they join only then"))] = 0
     wait_for_replicas_s: Annotated[float, Meta(ge=0.0, description=(
         "seconds the replicas that are ready (data and model built) wait for the others before they start training "
         "without them: the replicas start together once all n_replicas are ready, and the job's clock with them; a "
-        "replica ready later starts at once. 0 (or a warm start): each starts when it is ready"))] = 60.0
+        "replica ready later starts at once; with a warm start, the first alone. 0: each starts when it is ready"))] = 60.0
     codec: Annotated[Literal["none", "threshold", "onebit", "int8"], Meta(description=(
         "gradient compression: `threshold` (Strom), `onebit` (1-bit SGD), `int8` (blockwise 8-bit)"))] = "none"
     tau: Annotated[float, Meta(gt=0.0, description="the threshold; required with `threshold`")] | None = None
