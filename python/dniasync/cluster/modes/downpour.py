@@ -77,7 +77,8 @@ class DownpourConfig(Section, frozen=True):
     wait_for_replicas_s: Annotated[float, Meta(ge=0.0, description=(
         "seconds the replicas that are ready (data and model built) wait for the others before they start training "
         "without them: the replicas start together once all n_replicas are ready, and the job's clock with them; a "
-        "replica ready later starts at once; with a warm start, the first alone. 0: each starts when it is ready"))] = 60.0
+        "replica ready later starts at once; with a warm start, the first alone. 0: each starts when it is "
+        "ready"))] = 60.0
     codec: Annotated[Literal["none", "threshold", "onebit", "int8"], Meta(description=(
         "gradient compression: `threshold` (Strom), `onebit` (1-bit SGD), `int8` (blockwise 8-bit)"))] = "none"
     tau: Annotated[float, Meta(gt=0.0, description="the threshold; required with `threshold`")] | None = None

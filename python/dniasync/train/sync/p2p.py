@@ -523,7 +523,8 @@ class P2PSync:
             if self.inner >= self.spec.local_steps:  # this peer's update held
                 if not self.direct and self._pending:
                     self._take_while_held()
-                if self.inner >= 2 * self.spec.local_steps and (not self.direct or isinstance(self.codec, ThresholdCodec)):
+                waits = not self.direct or isinstance(self.codec, ThresholdCodec)
+                if waits and self.inner >= 2 * self.spec.local_steps:
                     await self._wait_for_links()
             return
         coded, self._coded = self._coded, []
@@ -577,8 +578,8 @@ class P2PSync:
         self._apply_pending()
 
     async def _wait_for_links(self) -> None:
-        """Held for H steps more (local steps, or the ``threshold`` codec): no more steps until the links take the update (or the peers they lead
-        to fall silent, or the node closes). A peer's pseudo-gradient weighs 1/N wherever it lands, so one that trained
+        """Held for H steps more (local steps, or the ``threshold`` codec): no more steps until the links take the
+        update (or the peers they lead to fall silent, or the node closes). A peer's pseudo-gradient weighs 1/N wherever it lands, so one that trained
         alone for hundreds of steps (its loop, which drains its links and takes the others' updates, starved by its
         own steps) ends as a quarter of a model that drifted apart: on a loaded 2-core machine 4 peers of a small MLP
         sent 31 updates in 2,517 steps and the job ended at 0.762 against 0.908 with one step per update. With one
