@@ -579,16 +579,17 @@ class P2PSync:
 
     async def _wait_for_links(self) -> None:
         """Held for H steps more (local steps, or the ``threshold`` codec): no more steps until the links take the
-        update (or the peers they lead to fall silent, or the node closes). A peer's pseudo-gradient weighs 1/N wherever it lands, so one that trained
-        alone for hundreds of steps (its loop, which drains its links and takes the others' updates, starved by its
-        own steps) ends as a quarter of a model that drifted apart: on a loaded 2-core machine 4 peers of a small MLP
-        sent 31 updates in 2,517 steps and the job ended at 0.762 against 0.908 with one step per update. With one
-        step per update a held step stays in the local weights in full and every received update lands in them,
-        so those peers train on, unless their codec is ``threshold``: an update moves each weight by at most tau
-        whatever number of steps it carries, so what a held peer learned piles up in its codec's residual, never
-        reaching the shared copy (on a loaded 2-core machine 2 peers sent 20 and 34 updates in 773 and 574 steps, their
-        residuals' mean 0.020 against 0.002 in a run that flowed, and the job ended at 0.842 against 0.93); they wait
-        too. At most :data:`LINK_WAIT_MAX_S` at a time (the trainer's own messages wait)."""
+        update (or the peers they lead to fall silent, or the node closes). A peer's pseudo-gradient weighs 1/N
+        wherever it lands, so one that trained alone for hundreds of steps (its loop, which drains its links and
+        takes the others' updates, starved by its own steps) ends as a quarter of a model that drifted apart: on a
+        loaded 2-core machine 4 peers of a small MLP sent 31 updates in 2,517 steps and the job ended at 0.762
+        against 0.908 with one step per update. With one step per update a held step stays in the local weights in
+        full and every received update lands in them, so those peers train on, unless their codec is ``threshold``:
+        an update moves each weight by at most tau whatever number of steps it carries, so what a held peer learned
+        piles up in its codec's residual, never reaching the shared copy (on a loaded 2-core machine 2 peers sent 20
+        and 34 updates in 773 and 574 steps, their residuals' mean 0.020 against 0.002 in a run that flowed, and the
+        job ended at 0.842 against 0.93); they wait too. At most :data:`LINK_WAIT_MAX_S` at a time (the trainer's
+        own messages wait)."""
         started = self.ctx.clock()
         while self._links_busy() and not self._closed and self.ctx.clock() - started < LINK_WAIT_MAX_S:
             await asyncio.sleep(LINK_POLL_S)
