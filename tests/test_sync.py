@@ -127,6 +127,26 @@ async def test_every_sync_trains_its_model_and_says_who_owns_the_optimizer(kind:
 
 
 @pytest.mark.parametrize("kind", sorted(SYNCS))
+async def test_every_sync_scales_one_steps_lr_wherever_its_optimizer_runs(kind: str) -> None:
+    """``step(lr_scale)`` (the DNI gate) multiplies that step's lr, not its gradient, wherever the optimizer runs
+    (for PS shards the push carries it): with SGD a step at 0 leaves the weights, one at 0.5 moves them by half of
+    lr x gradient, and the next step is at the full lr again. (p2p's weights take its threshold-coded change, in
+    steps of tau: only the step at 0 is exact there.)"""
+    x, y = torch.linspace(-1, 1, 32).reshape(8, 4), torch.arange(8) % 2
+    async with _built(kind) as (sync, model, _):
+        for scale in (0.0,) if kind == "p2p" else (0.0, 0.5, 1.0):
+            await sync.ready()
+            before = _weights(model)
+            sync.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+            grad = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+            sync.step(scale)
+            await sync.sync(8)
+            await sync.ready()
+            torch.testing.assert_close(_weights(model), before - OPTIMIZER.lr * scale * grad, msg=f"lr_scale {scale}")
+
+
+@pytest.mark.parametrize("kind", sorted(SYNCS))
 async def test_every_sync_state_dict_loads_into_a_fresh_one(kind: str) -> None:
     async with _built(kind) as (sync, model, another):
         await _train(sync, model, 3)

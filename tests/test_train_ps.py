@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 import pytest
 
@@ -99,6 +100,23 @@ async def test_nonfinite_gradients_are_rejected_and_counted() -> None:
         np.testing.assert_array_equal(w, np.full(N, -1.0, np.float32))
         stats = await shard.ask(ShardStats())  # type: ignore[attr-defined]
         assert stats["rejected"]["nonfinite"] == 1
+
+
+async def test_a_push_is_applied_with_the_lr_times_its_lr_scale_and_a_bad_scale_is_refused() -> None:
+    """The lr scale a trainer's steps had (the DNI gate, pipeline.lr_decay) travels with the push: the shard runs the
+    optimizer, and scaling the gradient instead would not scale Adam's step."""
+    async with ActorSystem() as system:
+        shard = await spawn_shard(system, lr=1.0)
+        base, _ = await values(shard)
+        await shard.tell(dataclasses.replace(push(1, 1.0, version=base), lr_scale=0.25))  # type: ignore[attr-defined]
+        for seq, scale in ((2, float("nan")), (3, -1.0), (4, float("inf"))):
+            bad = dataclasses.replace(push(seq, 1.0, version=base), lr_scale=scale)
+            await shard.tell(bad)  # type: ignore[attr-defined]
+        version, w = await values(shard)
+        assert version == base + 1
+        np.testing.assert_array_equal(w, np.full(N, -0.25, np.float32))
+        stats = await shard.ask(ShardStats())  # type: ignore[attr-defined]
+        assert stats["rejected"]["bad_payload"] == 3 and stats["lr_last"] == 0.25
 
 
 async def test_quantized_pushes_apply_straight_into_the_store() -> None:

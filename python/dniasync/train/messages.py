@@ -86,7 +86,9 @@ class Push:
     (a sparse push, :mod:`dniasync.train.sparse`: ``[k, 2]`` uint32
     ``(start, length)`` in the shard's slice, ascending and disjoint) ``codec``
     is ``"none"`` and ``payload`` holds the float32 values of the spans, one
-    after the other; the gradient is zero elsewhere.
+    after the other; the gradient is zero elsewhere. The shard applies it with
+    its lr times ``lr_scale`` (the mean of the trainer's per-step scales, e.g.
+    the DNI gate; 1 by default), finite and >= 0.
     """
 
     replica: str
@@ -97,6 +99,7 @@ class Push:
     payload: np.ndarray
     samples: int
     spans: np.ndarray | None = None
+    lr_scale: float = 1.0
 
 
 @message("dniasync.train.Fence")

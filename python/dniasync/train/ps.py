@@ -18,6 +18,7 @@ and whenever the replica's echo shows it missed an answer, the answer is dense.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -99,6 +100,8 @@ class PSShard(Actor):
         # versions continue from the snapshot's: a restart never makes one go back
         self._version_offset = (resume.version if resume is not None else 0) - self.store.version(SEGMENT)
         self.applied = 0
+        self.lr_last = float("nan")
+        """The lr the last applied push was applied with (the shard's, times the push's ``lr_scale``)."""
         self.rejected: dict[str, int] = {"stale": 0, "duplicate": 0, "zombie": 0, "nonfinite": 0, "bad_payload": 0}
         self.staleness_counts = [0] * (len(STALENESS_BUCKETS) + 1)
         self.staleness_sum = 0
@@ -169,13 +172,16 @@ class PSShard(Actor):
                         self.spec.codec.name)
             return
         payload = np.ascontiguousarray(msg.payload, dtype=np.uint8).reshape(-1)
+        lr = decision.lr * msg.lr_scale
         try:
+            if not (math.isfinite(msg.lr_scale) and msg.lr_scale >= 0.0):
+                raise ValueError(f"lr_scale must be finite and >= 0, got {msg.lr_scale}")
             if msg.spans is None:
-                codec.apply(self.store, SEGMENT, CompressedTensor(msg.codec, (self.n,), payload), decision.lr)
+                codec.apply(self.store, SEGMENT, CompressedTensor(msg.codec, (self.n,), payload), lr)
             elif msg.codec != "none":
                 raise ValueError(f"a sparse push carries float32 values (codec 'none'), not {msg.codec!r}")
             else:
-                self.store.step_spans(SEGMENT, span_array(msg.spans), span_values(payload), decision.lr)
+                self.store.step_spans(SEGMENT, span_array(msg.spans), span_values(payload), lr)
         except _core.NonFiniteGradientError:
             self.rejected["nonfinite"] += 1
             return
@@ -184,6 +190,7 @@ class PSShard(Actor):
             log.warning("shard %d: bad push from %s: %s", self.shard, msg.replica, exc)
             return
         self.applied += 1
+        self.lr_last = lr
         self.samples += msg.samples
 
     def _observe_staleness(self, staleness: int) -> None:
@@ -268,6 +275,7 @@ class PSShard(Actor):
             "shard": self.shard,
             "version": self.version,
             "applied": self.applied,
+            "lr_last": self.lr_last,
             "samples": self.samples,
             "rejected": dict(self.rejected),
             "staleness_buckets": list(STALENESS_BUCKETS),

@@ -29,6 +29,7 @@ shares the cores and nothing goes through a socket.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -130,6 +131,8 @@ async def record_ps_stats(report: RunReport, shards: list[ActorRef | None]) -> N
             continue
         for key in ("applied", "samples", "version", "staleness_sum", "dense_pulls", "delta_pulls"):
             report.set_metric(f"ps{index}_{key}", int(stats[key]))
+        if math.isfinite(stats["lr_last"]):  # the lr the shard applied its last push with (lr_scale: DNI's gate)
+            report.set_metric(f"ps{index}_lr_last", float(stats["lr_last"]))
         for key, count in stats["rejected"].items():
             report.set_metric(f"ps{index}_rejected_{key}", int(count))
         for bound, count in zip([*map(str, stats["staleness_buckets"]), "inf"], stats["staleness_counts"]):

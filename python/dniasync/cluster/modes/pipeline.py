@@ -211,9 +211,6 @@ class _Pipeline:
                     raise ConfigError(f"'pipeline.{key}' applies only with PS shards (sync.kind 'ps', with "
                                       f"pipeline.replicas > 1); sync.kind is {kind!r}", f"pipeline.{key}")
         else:
-            if p.lr_decay != "none":
-                raise ConfigError(f"'pipeline.lr_decay' does not apply with sync.kind {kind!r}: the PS shards apply "
-                                  "the optimizer", "pipeline.lr_decay")
             if p.codec != "none" and config.regroup.enabled:
                 raise ConfigError(f"'regroup.enabled' does not apply with pipeline.codec {p.codec!r}: moving layers "
                                   "re-cuts the stages' PS shards, and the codecs' residuals with them",

@@ -231,15 +231,17 @@ class Stage(Actor):
         self.steps += 1
 
     def backward(
-        self, h_in: torch.Tensor, h_out: torch.Tensor, grad: torch.Tensor, *, zero: bool, step: bool
+        self, h_in: torch.Tensor, h_out: torch.Tensor, grad: torch.Tensor, *, zero: bool, step: bool,
+        lr_scale: float = 1.0,
     ) -> torch.Tensor | None:
-        """Back-propagate ``grad`` at ``h_out``; ``zero`` the gradients first, ``step`` after; ``dL/dh_in``."""
+        """Back-propagate ``grad`` at ``h_out``; ``zero`` the gradients first, ``step`` after (with the lr times
+        ``lr_scale``, wherever the optimizer runs); ``dL/dh_in``."""
         if zero:
             self.params.zero_grad()
         torch.autograd.backward(h_out, grad)
         self.clock.backward_done()
         if step:
-            self.params.step()
+            self.params.step(lr_scale)
             self.steps += 1
         return h_in.grad.detach() if h_in.grad is not None else None
 

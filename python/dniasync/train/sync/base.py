@@ -42,6 +42,7 @@ __all__ = [
     "Clock",
     "SyncContext",
     "SyncKind",
+    "StepScales",
     "SyncStats",
     "WeightSync",
     "build_sync",
@@ -88,6 +89,25 @@ class SyncContext:
     """How long a pull waits for an answer."""
 
 
+class StepScales:
+    """The ``lr_scale`` of each step (:meth:`WeightSync.step`) since the last update was applied or sent: an
+    update that carries several steps' gradients applies their mean."""
+
+    def __init__(self) -> None:
+        self._sum = 0.0
+        self._count = 0
+
+    def add(self, scale: float) -> None:
+        self._sum += scale
+        self._count += 1
+
+    def take(self) -> float:
+        """The mean scale of the steps added since the last call (1 if none), and start again."""
+        mean = self._sum / self._count if self._count else 1.0
+        self._sum, self._count = 0.0, 0
+        return mean
+
+
 class WeightSync(Protocol):
     """How one trainer's weights are stepped and shared.
 
@@ -109,8 +129,12 @@ class WeightSync(Protocol):
     def zero_grad(self) -> None:
         """Clear the parameters' ``.grad`` before a backward."""
 
-    def step(self) -> None:
-        """After a backward: apply the gradients in the parameters' ``.grad``, or set them aside to share."""
+    def step(self, lr_scale: float = 1.0) -> None:
+        """After a backward: apply the gradients in the parameters' ``.grad``, or set them aside to share.
+
+        ``lr_scale`` multiplies the lr of this step only, wherever the optimizer runs (a gate on one step, as the
+        DNI rules' on a synthetic gradient; :meth:`scale_lr` sets the lr for all steps). Scaling the gradient
+        instead is not the same: Adam and Adagrad divide it by its own running size."""
 
     def steps_per_call(self, steps: int) -> int:
         """How many steps to run in one hand-off to a worker thread, ``steps`` taken so far (at least 1)."""

@@ -103,8 +103,15 @@ class LocalOptimizer:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def step(self) -> None:
-        self.optimizer.step()
+    def step(self, lr_scale: float = 1.0) -> None:
+        if lr_scale == 1.0:
+            self.optimizer.step()
+            return
+        set_lr(self.optimizer, self.lr * self.scale * lr_scale)
+        try:
+            self.optimizer.step()
+        finally:
+            set_lr(self.optimizer, self.lr * self.scale)
 
     def steps_per_call(self, steps: int) -> int:
         return LOCAL_STEPS_PER_CALL

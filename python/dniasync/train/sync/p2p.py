@@ -441,13 +441,13 @@ class P2PSync:
         for p in self._flat.model.parameters():
             p.grad = None
 
-    def step(self) -> None:
+    def step(self, lr_scale: float = 1.0) -> None:
         """Worker thread: the local optimizer steps the local weights; every H steps their change is coded.
 
         One step per update: the weights are the shared copy and the step leaves them (see :attr:`direct`); its
         change is added to what earlier held steps left in :attr:`change`."""
         self._flat.accumulate_grad()
-        lr = self.lr * self.scale
+        lr = self.lr * self.scale * lr_scale
         delta = self._step_out
         if self.direct:
             self.store.step_into(P2P_SEGMENT, self._flat.grad.numpy(), lr, delta)

@@ -53,7 +53,7 @@ from ..flat import FlatModel, flatten_parameters, split_ranges
 from ..messages import Params, ParamsDelta, Pull, PullDelta, Push
 from ..sparse import SPARSE_MODES, EmbeddingTable, embedding_tables, spans_of, touched
 from ..specs import CodecSpec, OptimizerSpec, PSLinkSpec
-from .base import Clock, SyncContext, SyncKind, SyncStats, register
+from .base import Clock, StepScales, SyncContext, SyncKind, SyncStats, register
 from .local import LocalOptimizer
 from .outer import LocalSteps
 
@@ -220,8 +220,9 @@ class ShardLink:
         self.pulls += 1
         return True
 
-    async def push(self, grad: np.ndarray, samples: int) -> None:
-        """Push ``grad`` (the whole flat vector) to every shard; a shard backing off misses this one."""
+    async def push(self, grad: np.ndarray, samples: int, *, lr_scale: float = 1.0) -> None:
+        """Push ``grad`` (the whole flat vector) to every shard, to be applied with the shard's lr times
+        ``lr_scale``; a shard backing off misses this one."""
         self.seq += 1
         keep = touched(grad, self.tables, self.sparse) if self.sparse != "never" else None
         for i, (offset, length) in enumerate(self.ranges):
@@ -231,13 +232,13 @@ class ShardLink:
             if mine is None or mine.all():
                 compressed = self.codecs[i].compress(grad[offset:offset + length])
                 push = Push(self.replica, self.incarnation, self.seq, self.versions[i], compressed.codec,
-                            compressed.payload, samples)
+                            compressed.payload, samples, lr_scale=lr_scale)
                 nbytes = compressed.nbytes
             else:
                 spans = spans_of(mine)
                 values = grad[offset:offset + length][mine].view(np.uint8)
                 push = Push(self.replica, self.incarnation, self.seq, self.versions[i], "none", values, samples,
-                            spans)
+                            spans, lr_scale)
                 nbytes = int(values.nbytes + spans.nbytes)
             try:
                 await self.shards[i].tell(push)
@@ -328,6 +329,10 @@ class PSSync:
         self._name, self._codec, self._ask_timeout_s, self._clock = name, codec, ask_timeout_s, clock
         self._sparse = sparse
         self.steps = 0
+        self._gate = StepScales()
+        """The lr scales of the steps since the last push: the shards apply it with their lr times the mean."""
+        self._scale = 1.0
+        """:meth:`scale_lr`'s, on every step."""
         self._params = list(model.parameters())
         self._pending = 0
         """Steps accumulated since the last push."""
@@ -344,11 +349,12 @@ class PSSync:
         for p in self._params:
             p.grad = None
 
-    def step(self) -> None:
+    def step(self, lr_scale: float = 1.0) -> None:
         if self.inner is None:
             self.flat.accumulate_grad()
+            self._gate.add(lr_scale * self._scale)
         else:
-            self.inner.step()
+            self.inner.step(lr_scale)
             self.zero_grad()  # a replica does not clear .grad before its next backward: accumulate_grad does
         self._pending += 1
         self.steps += 1
@@ -362,9 +368,8 @@ class PSSync:
     def scale_lr(self, scale: float) -> None:
         if self.inner is not None:  # local steps: the inner optimizer is the trainer's own
             self.inner.scale_lr(scale)
-        elif scale != 1.0:
-            raise ValueError("the PS shards apply the optimizer of a trainer that shares through them: its lr "
-                             "cannot be decayed from the trainer")
+        else:  # the shards apply their lr times the scale each push carries
+            self._scale = scale
 
     def lr_now(self) -> float:
         return float("nan") if self.inner is None else self.inner.lr_now()
@@ -382,7 +387,7 @@ class PSSync:
 
     async def _push(self) -> None:
         if self.local is None:
-            await self.link.push(self.flat.grad.numpy(), self._samples_pending)
+            await self.link.push(self.flat.grad.numpy(), self._samples_pending, lr_scale=self._gate.take())
             self.flat.grad.zero_()
         else:
             pseudo = self.local.pseudo_gradient(self.link.buffer, out=self.flat.grad.numpy())
@@ -426,6 +431,7 @@ class PSSync:
                        incarnation=max(self.link.incarnation + 1, time.time_ns() // 1000), codec=self._codec,
                        ask_timeout_s=self._ask_timeout_s, clock=self._clock, sparse=self._sparse)
         fresh.steps = fresh._steps_synced = self.steps
+        fresh._scale = self._scale
         for counter in _COUNTERS:
             setattr(fresh.link, counter, getattr(self.link, counter))
         return fresh

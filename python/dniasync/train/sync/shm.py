@@ -36,7 +36,7 @@ from torch import nn
 from ..flat import FlatModel
 from ..sparse import embedding_tables, spans_of, touched
 from ..specs import OptimizerSpec, SharedStoreSpec
-from .base import SyncContext, SyncKind, SyncStats, register
+from .base import StepScales, SyncContext, SyncKind, SyncStats, register
 
 __all__ = ["HOGWILD_SEGMENT", "HOGWILD_STEPS_PER_CALL", "SharedStoreSync"]
 
@@ -65,6 +65,7 @@ class SharedStoreSync:
         self.flat = FlatModel(model, shared if n_fetch == 0 else shared.copy())
         self.lr = optimizer.lr
         self.scale = 1.0
+        self._gate = StepScales()
         self._params = list(model.parameters())
         self.tables = embedding_tables(model) if sparse != "never" else []
         self.sparse = sparse
@@ -84,8 +85,9 @@ class SharedStoreSync:
         for p in self._params:
             p.grad = None
 
-    def step(self) -> None:
+    def step(self, lr_scale: float = 1.0) -> None:
         self.steps += 1
+        self._gate.add(lr_scale)
         if self._direct:
             self._apply_direct()
             if self.n_fetch > 1 and self.steps % self.n_fetch == 0:
@@ -105,7 +107,7 @@ class SharedStoreSync:
         fetches every step (``n_fetch = 1``) copies each span back as soon as it is stepped, while the span is
         still in the cache, rather than the whole store after the last (on the compute-bound MLP one pass over
         the weights' size fewer from memory)."""
-        lr = self.lr * self.scale
+        lr = self.lr * self.scale * self._gate.take()
         with torch.no_grad():
             for p, span, fetched in self._direct:
                 if p.grad is not None:
@@ -118,10 +120,11 @@ class SharedStoreSync:
         """Step the store with the gradient accumulated since the last time, and clear it."""
         grad = self.flat.grad.numpy()
         keep = touched(grad, self.tables, self.sparse) if self.tables else None
+        lr = self.lr * self.scale * self._gate.take()
         if keep is None:
-            self.store.step(HOGWILD_SEGMENT, grad, self.lr * self.scale)
+            self.store.step(HOGWILD_SEGMENT, grad, lr)
         else:
-            self.store.step_spans(HOGWILD_SEGMENT, spans_of(keep), grad[keep], self.lr * self.scale)
+            self.store.step_spans(HOGWILD_SEGMENT, spans_of(keep), grad[keep], lr)
             self.sparse_steps += 1
         self.flat.grad.zero_()
 

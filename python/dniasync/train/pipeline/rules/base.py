@@ -89,9 +89,11 @@ class StageContext(Protocol):
         ...
 
     def backward(
-        self, h_in: torch.Tensor, h_out: torch.Tensor, grad: torch.Tensor, *, zero: bool, step: bool
+        self, h_in: torch.Tensor, h_out: torch.Tensor, grad: torch.Tensor, *, zero: bool, step: bool,
+        lr_scale: float = 1.0,
     ) -> torch.Tensor | None:
-        """Back-propagate ``grad`` at ``h_out``; ``zero`` the gradients first, ``step`` after; ``dL/dh_in``."""
+        """Back-propagate ``grad`` at ``h_out``; ``zero`` the gradients first, ``step`` after (with the lr times
+        ``lr_scale``, wherever the optimizer runs); ``dL/dh_in``."""
         ...
 
     def gradients(

@@ -12,9 +12,9 @@ arrives.
 The synthetic step is gated by the SG model's measured agreement with the
 true gradients that came back (:attr:`SyntheticGradient.gain`: the true
 gradient's energy over the prediction error's, ``|g|² / |M − g|²``, at most
-1): the stage's learning rate is multiplied by it for that step (with PS
-shards, which run their own optimizer, the layers' gradient is; the gradient
-sent upstream never is). Without the gate some cDNI runs fell well below
+1): the stage's learning rate is multiplied by it for that step, wherever the
+optimizer runs (PS shards apply their lr times the scale the push carries;
+the gradient sent upstream is never scaled). Without the gate some cDNI runs fell well below
 their best in their last epochs: the true gradient shrinks with the loss
 while the SG model's error does not, so late synthetic gradients were mostly
 noise (``|M − g| / |g|`` rising from about 1 to 3-5 on a collapsing run,
@@ -127,21 +127,7 @@ class DNIRule(UpdateRule):
         assert self.sg is not None
         with torch.no_grad():
             grad = self.sg(h_out.detach(), labels)
-        gain = self.sg.gain
-        optimizer = stage.params.optimizer
-        if optimizer is None:  # the optimizer is applied elsewhere (PS shards): scale the gradient of the layers
-            grad_in = stage.backward(h_in, h_out, grad, zero=True, step=False)
-            stage.step_with({n: p.grad * gain for n, p in stage.layers.named_parameters() if p.grad is not None})
-            return grad_in
-        groups = optimizer.param_groups
-        lrs = [g["lr"] for g in groups]
-        for g in groups:
-            g["lr"] = g["lr"] * gain
-        try:
-            return stage.backward(h_in, h_out, grad, zero=True, step=True)
-        finally:
-            for g, lr in zip(groups, lrs):
-                g["lr"] = lr
+        return stage.backward(h_in, h_out, grad, zero=True, step=True, lr_scale=self.sg.gain)
 
     def _synthetic_input_step(self, stage: StageContext, x: torch.Tensor, labels: torch.Tensor) -> None:
         assert self.input_model is not None
