@@ -489,8 +489,11 @@ def test_local_steps_with_the_default_outer_step_keep_the_accuracy_with_a_quarte
         assert steps >= LOCAL_STEPS_EPOCHS * 4000 / 32, (h, steps)  # every epoch was trained, with both H
         # at the end every copy holds every update (with H = 4 too: received pseudo-gradients that waited for an
         # outer step go in once the peer stops), so the final accuracy is of the weights they all hold
+        # (once, in a fresh CI run, 0.00106 with H = 4 and complete ledgers: not reproduced in 6 runs beside 3
+        # busy loops; the message says whether the settling ended at its deadline and which peers had stopped)
         assert m["p2p_ledgers_complete"] and m["consensus_distance_settled"] < 1e-5, (
-            h, m["consensus_distance_settled"])
+            h, m["consensus_distance_settled"], m.get("settle_s"),
+            {p: (m.get(f"p2p/{p}/stopped"), m[f"p2p/{p}/dense_taken"], m[f"p2p/{p}/flushed"]) for p in peers})
         per_step[h] = (sent - sum(m[f"p2p/{p}/flushed"] for p in peers)) / (steps - held)
     # updates per step not held (per batch of 32 samples: both jobs run somewhat past their last epoch, by different
     # amounts)

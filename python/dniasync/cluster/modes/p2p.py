@@ -281,6 +281,7 @@ class _P2PJob(DataParallelJob):
         for name, s in stats.items():
             report.set_metric(f"p2p/{name}/sent", int(s["sent"]))
             report.set_metric(f"p2p/{name}/steps", int(s["steps"]))
+            report.set_metric(f"p2p/{name}/stopped", bool(s.get("stopped", True)))  # applies what it receives
             for counter in ("dense_taken", "dense_given", "dense_failed", "received", "duplicate", "forwarded",
                             "skipped", "held", "flushed", "capped", "resends_asked", "resent", "lost_own", "waited_ms"):
                 report.set_metric(f"p2p/{name}/{counter}", int(s["counters"][counter]))
