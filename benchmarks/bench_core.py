@@ -11,7 +11,8 @@ our kernels are single-threaded), side by side in one run; times are medians.
   in this process with `_core.set_kernel_isa`, the sets taking turns with the reference
   in one interleaved loop. Unsuffixed figures are the widest set's; `<figure>_<isa>` are
   each set's (so `sgd_vs_torch_avx2` is SGD capped to AVX2 on a CPU that has more).
-- optimizer steps: ParamStore.step vs torch.optim.* (foreach=True) on the same data.
+- optimizer steps: ParamStore.step vs torch.optim.* (foreach=True, and fused=True: torch's
+  single-kernel CPU update, its fastest) on the same data.
   Our NaN/Inf check costs one extra read of the gradient; torch does none, so the ratio
   compares equal work (policy "allow") and the checked time is reported beside it.
 - hogwild: two Python threads stepping one store at once (GIL released) vs one thread;
@@ -29,7 +30,7 @@ our kernels are single-threaded), side by side in one run; times are medians.
   also pays for reading in the destination's lines before writing them, which an in-place
   update never does. The copy is timed on two threads as well: that ratio is the ceiling
   for any memory-bound kernel's thread scaling.
-Ratios (bigger is better): <step>_vs_torch, hogwild_2threads_vs_1, <codec>_encode_vs_numpy,
+Ratios (bigger is better): <step>_vs_torch (foreach), <step>_vs_torch_fused, hogwild_2threads_vs_1, <codec>_encode_vs_numpy,
 threshold_encode_gelem_per_s, <kernel>_bandwidth_fraction; each also per instruction set.
 """
 
@@ -96,14 +97,16 @@ def capped(isa: str, then: Callable[[], object] | None = None) -> Callable[[], N
     return setup
 
 
-def torch_optimizer(name: str, param: torch.Tensor) -> torch.optim.Optimizer:
+def torch_optimizer(name: str, param: torch.Tensor, fused: bool = False) -> torch.optim.Optimizer:
+    """torch's ``name`` over ``param``: its foreach implementation, or its fused CPU kernel."""
+    mode: dict[str, bool] = {"fused": True} if fused else {"foreach": True}
     if name == "sgd":
-        return torch.optim.SGD([param], lr=1e-3, foreach=True)
+        return torch.optim.SGD([param], lr=1e-3, **mode)
     if name in ("momentum", "nesterov"):
-        return torch.optim.SGD([param], lr=1e-3, momentum=0.9, nesterov=name == "nesterov", foreach=True)
+        return torch.optim.SGD([param], lr=1e-3, momentum=0.9, nesterov=name == "nesterov", **mode)
     if name == "adagrad":
-        return torch.optim.Adagrad([param], lr=1e-3, foreach=True)
-    return torch.optim.Adam([param], lr=1e-3, foreach=True)
+        return torch.optim.Adagrad([param], lr=1e-3, **mode)
+    return torch.optim.Adam([param], lr=1e-3, **mode)
 
 
 def bench_optimizers(
@@ -118,16 +121,21 @@ def bench_optimizers(
         pristine = torch.from_numpy(grad.copy())
         param.grad = torch_grad = pristine.clone()
         opt = torch_optimizer(name, param)
+        fused_param = torch.zeros(n)
+        fused_param.grad = fused_grad = pristine.clone()
+        fused_opt = torch_optimizer(name, fused_param, fused=True)
         cases: list[Case] = [
             copy,
             (opt.step, partial(torch_grad.copy_, pristine)),
+            (fused_opt.step, partial(fused_grad.copy_, pristine)),
             (partial(checked_store.step, "w", grad, 1e-3), capped(isas[-1])),
         ]
         cases += [(partial(stores[isa].step, "w", grad, 1e-3), capped(isa)) for isa in isas]
-        copy_s, torch_s, checked, *ours = interleaved(cases, repeats)
-        out[name] = {"copy_s": copy_s, "torch_s": torch_s, "dniasync_checked_s": checked, "dniasync_s": ours[-1]}
+        copy_s, torch_s, fused_s, checked, *ours = interleaved(cases, repeats)
+        out[name] = {"copy_s": copy_s, "torch_s": torch_s, "torch_fused_s": fused_s, "dniasync_checked_s": checked,
+                     "dniasync_s": ours[-1]}
         out[name] |= {f"dniasync_{isa}_s": t for isa, t in zip(isas, ours, strict=True)}
-        del stores, checked_store, opt, param, torch_grad
+        del stores, checked_store, opt, param, torch_grad, fused_opt, fused_param, fused_grad
     set_kernel_isa(None)
     return out
 
@@ -360,6 +368,7 @@ def main() -> None:
 
     def figures(isa: str) -> dict[str, float]:
         f = {f"{k}_vs_torch": optim[k]["torch_s"] / seconds(optim[k], isa) for k in STEP_BYTES}
+        f |= {f"{k}_vs_torch_fused": optim[k]["torch_fused_s"] / seconds(optim[k], isa) for k in STEP_BYTES}
         f |= {f"{c}_encode_vs_numpy": enc[f"{c}_encode"]["numpy_s"] / seconds(enc[f"{c}_encode"], isa)
               for c in ENCODE_BYTES}
         f["threshold_encode_gelem_per_s"] = n / seconds(enc["threshold_encode"], isa) / 1e9
@@ -399,6 +408,7 @@ def main() -> None:
     for k in STEP_BYTES:
         r = optim[k]
         rows.append((f"{k}: torch foreach", ms(r["torch_s"]), "1.00 (reference)"))
+        rows.append((f"{k}: torch fused", ms(r["torch_fused_s"]), f"{r['torch_s'] / r['torch_fused_s']:.2f}x foreach"))
         for isa in isas:
             rows.append((f"{k}: dniasync {isa}", ms(seconds(r, isa)),
                          f"{ratios[f'{k}_vs_torch_{isa}']:.2f}x torch, {fraction[isa][f'{k}_step']:.0%} of copy bw"))
