@@ -99,14 +99,15 @@ def capped(isa: str, then: Callable[[], object] | None = None) -> Callable[[], N
 
 def torch_optimizer(name: str, param: torch.Tensor, fused: bool = False) -> torch.optim.Optimizer:
     """torch's ``name`` over ``param``: its foreach implementation, or its fused CPU kernel."""
-    mode: dict[str, bool] = {"fused": True} if fused else {"foreach": True}
+    foreach, fuse = (None, True) if fused else (True, None)
     if name == "sgd":
-        return torch.optim.SGD([param], lr=1e-3, **mode)
+        return torch.optim.SGD([param], lr=1e-3, foreach=foreach, fused=fuse)
     if name in ("momentum", "nesterov"):
-        return torch.optim.SGD([param], lr=1e-3, momentum=0.9, nesterov=name == "nesterov", **mode)
+        return torch.optim.SGD([param], lr=1e-3, momentum=0.9, nesterov=name == "nesterov", foreach=foreach,
+                               fused=fuse)
     if name == "adagrad":
-        return torch.optim.Adagrad([param], lr=1e-3, **mode)
-    return torch.optim.Adam([param], lr=1e-3, **mode)
+        return torch.optim.Adagrad([param], lr=1e-3, foreach=foreach, fused=fuse)
+    return torch.optim.Adam([param], lr=1e-3, foreach=foreach, fused=fuse)
 
 
 def bench_optimizers(

@@ -20,9 +20,11 @@ applies exactly that update to its own ``w`` and sends it to the others; every
 update it receives is applied once (a ledger per origin drops duplicates), so
 all copies hold the same sum of updates, only in flight apart. With H > 1 the updates are pseudo-gradients: received ones wait,
 and at each outer step the outer optimizer (Nesterov) applies the peer's own
-and those received since its last one, summed over N (the live peers): one
+and those received since its last one, each over N (the live peers as its
+origin saw them when it coded it: the weight travels with the update): one
 DiLoCo round when each peer sent one, and the same total on every peer however
-the asynchrony groups them (the momentum's timing aside).
+the asynchrony groups them and whatever each peer's view of the membership
+(the momentum's timing aside).
 
 Who sends to whom: with ``fanout = 0`` the origin sends to every peer. With
 ``fanout = k`` each update travels down a k-ary tree over the ring of peers
@@ -81,6 +83,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import deque
@@ -159,6 +162,11 @@ class Update:
     codec: str
     payload: np.ndarray
     sender: str
+    weight: float = 0.0
+    """Local steps: what this pseudo-gradient weighs in every copy's outer step, 1/N of its origin's membership
+    when it was coded (0: one step per update, or a sender that set none: the receiver's 1/N). Set once, by the
+    origin, so every copy applies the same total however the peers' views of the membership differ for a while (a
+    peer starting before the last joined, or one declared dead while starved of CPU and taken back)."""
 
 
 @message("dniasync.train.sync.p2p.Peers")
@@ -386,11 +394,13 @@ class P2PSync:
         self._cap = spec.update_cap_bytes
         """The most bytes of codes the next update carries (see :meth:`_code`)."""
         self.seq = 0
-        self._own: deque[tuple[int, str, np.ndarray]] = deque()
+        self._own: deque[tuple[int, str, np.ndarray, float]] = deque()
+        """This peer's latest updates (seq, codec, payload, weight), ``keep_bytes`` of them, for resends."""
         self._own_bytes = 0
         self.ledger: dict[str, _Received] = {}
-        self._pending: list[tuple[str, int, NDArray[np.float32]]] = []
-        """With local steps: received pseudo-gradients waiting for the next outer step (origin, seq, update)."""
+        self._pending: list[tuple[str, int, NDArray[np.float32], float]] = []
+        """With local steps: received pseudo-gradients waiting for the next outer step (origin, seq, update,
+        weight)."""
         self._outer: OuterOptimizer | None = None
         self.counters = _Counters()
         self.epoch = spec.epoch
@@ -531,20 +541,21 @@ class P2PSync:
         for compressed in coded:
             self.seq += 1
             payload = compressed.payload
-            self._keep(self.seq, compressed.codec, payload)
-            update = Update(self.origin, self.seq, compressed.codec, payload, self.me)
+            weight = 0.0 if self.spec.local_steps == 1 else 1.0 / max(len(self.members), 1)
+            self._keep(self.seq, compressed.codec, payload, weight)
+            update = Update(self.origin, self.seq, compressed.codec, payload, self.me, weight)
             self.counters.sent += 1
             self.counters.dense_bytes_sent += 4 * self.n
             self._spread(update, own=True)
             if self.spec.local_steps == 1:
                 self._apply(self.origin, self.seq, compressed.codec, payload)
             else:
-                self._outer_step(self._decode(compressed.codec, payload))
+                self._outer_step(self._decode(compressed.codec, payload), weight)
                 self._mark(self.origin, self.seq)
         self._restart_local()
 
-    def _keep(self, seq: int, codec: str, payload: np.ndarray) -> None:
-        self._own.append((seq, codec, payload))
+    def _keep(self, seq: int, codec: str, payload: np.ndarray, weight: float) -> None:
+        self._own.append((seq, codec, payload, weight))
         self._own_bytes += int(payload.nbytes)
         while self._own_bytes > self.spec.keep_bytes and len(self._own) > 1:
             self._own_bytes -= int(self._own.popleft()[2].nbytes)
@@ -612,12 +623,11 @@ class P2PSync:
     def _apply_pending(self) -> None:
         """Local steps, training stopped or this peer's update held: the received pseudo-gradients waiting, each over
         N, without the outer momentum (no outer step comes, or none yet, to give it; with the default momentum 0 the
-        same as an outer step would)."""
+        same as an outer step would), each at its own weight (:attr:`Update.weight`)."""
         if not self._pending:
             return
-        lr = np.float32(self.spec.outer_lr / max(len(self.members), 1))
-        for _, _, update in self._pending:
-            self.w += lr * update
+        for _, _, update, weight in self._pending:
+            self.w += np.float32(self.spec.outer_lr * weight) * update
         self._pending.clear()
 
     def relinked(self, layers: nn.Module) -> WeightSync:
@@ -762,10 +772,16 @@ class P2PSync:
         if self.spec.local_steps == 1:
             self._apply(msg.origin, msg.seq, msg.codec, msg.payload)
         else:
-            self._pending.append((msg.origin, msg.seq, self._decode(msg.codec, msg.payload)))
+            self._pending.append((msg.origin, msg.seq, self._decode(msg.codec, msg.payload), self._weight_of(msg)))
             self._mark(msg.origin, msg.seq)
             if self._stopped:
                 self._apply_pending()
+
+    def _weight_of(self, msg: Update) -> float:
+        """The outer-step weight of a received pseudo-gradient: the one its origin set, else 1/N here."""
+        if not (math.isfinite(msg.weight) and 0.0 <= msg.weight <= 1.0):
+            raise ValueError(f"peer {self.me}: an update of {msg.origin} weighs {msg.weight}, not within [0, 1]")
+        return msg.weight or 1.0 / max(len(self.members), 1)
 
     def _compressed(self, codec: str, payload: np.ndarray) -> CompressedTensor:
         if codec != self.spec.codec:
@@ -787,16 +803,17 @@ class P2PSync:
         self.ledger.setdefault(origin, _Received()).add(seq)
         self.counters.applied += 1
 
-    def _outer_step(self, own: NDArray[np.float32]) -> None:
-        """Local steps: the outer optimizer applies this peer's and the waiting received updates, each over N peers."""
+    def _outer_step(self, own: NDArray[np.float32], weight: float) -> None:
+        """Local steps: the outer optimizer applies this peer's and the waiting received updates, each at its weight
+        (1/N of its origin's membership when coded)."""
         if self._outer is None:
             self._outer = OuterOptimizer(self.n, lr=self.spec.outer_lr, momentum=self.spec.outer_momentum)
-        total = own.copy()
-        for _, _, update in self._pending:
-            total += update
-        # each pseudo-gradient weighs 1/N wherever it lands: every peer applies the same total whatever it groups
-        # (dividing by the updates at hand instead gave a slow peer, holding many, a different total: copies apart)
-        mean = (total / np.float32(max(len(self.members), 1))).astype(np.float32)
+        # each pseudo-gradient weighs the same wherever it lands: every peer applies the same total whatever it
+        # groups (dividing by the updates at hand instead gave a slow peer, holding many, a different total; and
+        # dividing by each receiver's own N, copies whose views of the membership differed for a while drifted apart)
+        mean = own * np.float32(weight)
+        for _, _, update, w in self._pending:
+            mean += np.float32(w) * update
         self._pending.clear()
         self._outer.step(self.w, -mean, out=self.w)  # the pseudo-gradient is minus the change
 
@@ -811,11 +828,11 @@ class P2PSync:
         self._heard_from(msg.requester.address)
         if msg.requester.unsent_bytes() > self.spec.max_unsent_bytes:
             return  # the link is still busy, likely with what is asked for: asked again next tick if still missing
-        kept = {seq: (codec, payload) for seq, codec, payload in self._own}
+        kept = {seq: (codec, payload, weight) for seq, codec, payload, weight in self._own}
         for seq in msg.seqs:
             if seq in kept:
-                codec, payload = kept[seq]
-                if self._tell(msg.requester, Update(self.origin, seq, codec, payload, self.me)):
+                codec, payload, weight = kept[seq]
+                if self._tell(msg.requester, Update(self.origin, seq, codec, payload, self.me, weight)):
                     self.counters.resent += 1
                     self.counters.bytes_sent += int(payload.nbytes)
 
@@ -823,7 +840,7 @@ class P2PSync:
     def _ledger_of_weights(self) -> dict[str, list[int]]:
         """The ledger the shared weights stand for, on the wire (received updates still waiting excluded)."""
         ledger = {o: _Received(r.have, set(r.extra), r.high) for o, r in self.ledger.items()}
-        for origin, seq, _ in self._pending:
+        for origin, seq, _, _ in self._pending:
             got = ledger[origin]
             if seq <= got.have:
                 got.extra |= set(range(seq + 1, got.have + 1))
@@ -878,16 +895,16 @@ class P2PSync:
             got.high = max(got.high, high)
         self._pending.clear()
         mine = self.ledger.setdefault(self.origin, _Received())
-        kept = {seq: (codec, payload) for seq, codec, payload in self._own}
+        kept = {seq: (codec, payload, weight) for seq, codec, payload, weight in self._own}
         for seq in range(1, self.seq + 1):
             if seq in mine:
                 continue
             if seq in kept:
-                codec, payload = kept[seq]
+                codec, payload, weight = kept[seq]
                 if self.spec.local_steps == 1:
                     self._apply(self.origin, seq, codec, payload)
                 else:  # a pseudo-gradient the copy lacks goes in with the next outer step
-                    self._pending.append((self.origin, seq, self._decode(codec, payload)))
+                    self._pending.append((self.origin, seq, self._decode(codec, payload), weight))
                     mine.add(seq)
             else:
                 self.counters.lost_own += 1
