@@ -738,7 +738,7 @@ class P2PSync:
     def _spread(self, update: Update, *, own: bool) -> None:
         origin_address = update.origin.partition("#")[0]
         targets = self._targets(origin_address)
-        out = Update(update.origin, update.seq, update.codec, update.payload, self.me)
+        out = Update(update.origin, update.seq, update.codec, update.payload, self.me, update.weight)
         now = self.ctx.clock()
         for address in targets:
             if self._silent(address, now):
