@@ -27,7 +27,8 @@ methods:
   a mode by name (downpour, hogwild, p2p, sandblaster), sized to the job's worker processes;
   pipeline:<rule> (one pipeline, a stage per worker process) and pipeline:<rule>+ps (replicated
   pipelines sharing each stage's weights through PS shards: DNI x Downpour), for every rule of
-  the pipeline registry; torch:1thread and torch:all-cores (plain torch in one process).
+  the pipeline registry; torch:1thread and torch:all-cores (plain torch in one process, its
+  optimizer fused where torch has the kernel).
   --methods list prints them all.
 
 the config's [compare] table (removed before the job reaches the launcher):
