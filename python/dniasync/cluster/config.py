@@ -185,9 +185,7 @@ class OptimizerConfig(Section, frozen=True):
 class StopConfig(Section, frozen=True):
     """The run ends at the first condition met."""
 
-    max_epochs: Annotated[int, Meta(ge=1, description=(
-        "passes over the training set, all shards together: each data shard's cursor ends there (data-parallel "
-        "replicas and pipelines draw nothing past it)"))] = 10
+    max_epochs: Annotated[int, Meta(ge=1, description="passes over the training set, all shards together")] = 10
     target_accuracy: Annotated[float, Meta(gt=0.0, le=1.0, description="held-out accuracy to stop at")] | None = None
     max_seconds: Annotated[float, Meta(gt=0.0, description="wall-clock limit")] | None = None
 

@@ -61,10 +61,6 @@ class Replica(Actor):
         self.progress_every_s = progress_every_s
         self.running = False
         self.cursors: dict[int, DataCursor] = {}
-        """Where each data shard's next batch starts (past the batches of a step still computing)."""
-        self.trained: dict[int, DataCursor] = {}
-        """Where each shard stands after the steps counted in :attr:`samples`: what progress reports say, so a
-        checkpoint's or a reassignment's cursors and sample count agree (a batch in flight is in neither)."""
         self._turn = 0
         self.steps = 0
         self.samples = 0
@@ -79,9 +75,6 @@ class Replica(Actor):
         self._sync_built = False
         self.epoch = 0
         """The highest coordinator epoch heard from: orders from a lower one are refused."""
-        self._step_queued = False
-        """A step is on its way to this replica's mailbox (so a handler that could restart stepping does not)."""
-        self._ended_logged = False
 
     async def on_start(self) -> None:
         self.coordinator: ActorRef = self.system.ref(self.spec.coordinator)
@@ -145,31 +138,14 @@ class Replica(Actor):
 
     def _set_cursors(self, triples: list[list[int]]) -> None:
         self.cursors = {s: DataCursor(s, e, p) for s, e, p in triples}
-        self.trained = dict(self.cursors)
 
     # -- training -----------------------------------------------------------
-    def _open(self) -> list[int]:
-        """Its data shards whose cursor has not ended ``max_epochs`` (sorted)."""
-        end = self.spec.max_epochs
-        return sorted(s for s, c in self.cursors.items() if not end or c.epoch < end)
-
     @handler
     async def step(self, msg: _Step) -> None:
-        self._step_queued = False
-        if not self.running or not self._open():
-            if self.running and self.cursors:
-                await self._ended()
-            return  # nothing to train on until the runner hands a shard over (or the stop comes)
+        if not self.running or not self.cursors:
+            return  # nothing to train on until the runner hands a shard over
         await self.sync.ready()
-        batches = []
-        for _ in range(self.sync.steps_per_call(self.steps)):
-            indices = self._next_indices()
-            if indices is None:
-                break
-            batches.append(indices)
-        if not batches:
-            await self._ended()
-            return
+        batches = [self._next_indices() for _ in range(self.sync.steps_per_call(self.steps))]
         for indices in batches:
             self.rows.prefetch(indices)
         self._prefetch_next()
@@ -177,34 +153,20 @@ class Replica(Actor):
         samples = sum(len(b) for b in batches)
         self.steps += len(batches)
         self.samples += samples
-        self.trained = dict(self.cursors)
         self._loss_sum += sum(losses)
         self._loss_n += len(losses)
         await self.sync.sync(samples)
         if self.running:
             self._next_step()
 
-    async def _ended(self) -> None:
-        """Every shard it holds ended ``max_epochs``: the runner hears it now (it ends the job once every shard
-        has), and the replica waits for the stop, or for a shard still to train."""
-        if not self._ended_logged:
-            self._ended_logged = True
-            log.info("replica %s: its shards ended epoch %d: waiting for the stop", self.name, self.spec.max_epochs)
-        await self._report()
-
     def _next_step(self) -> None:
         try:
             self.ref.tell_nowait(_Step())
-            self._step_queued = True
         except ActorError:
             self.running = False  # stopping: no more steps
 
-    def _next_indices(self) -> np.ndarray | None:
-        """The next batch's indices, from its open shards in turn (None: every shard has ended)."""
-        open_shards = self._open()
-        if not open_shards:
-            return None
-        shard = open_shards[self._turn % len(open_shards)]
+    def _next_indices(self) -> np.ndarray:
+        shard = sorted(self.cursors)[self._turn % len(self.cursors)]
         self._turn += 1
         cursor, size = self.cursors[shard], self.spec.data.batch_size
         if self.schedule is not None:  # the batch grows with the epoch or on the norm test (train/schedules.py)
@@ -215,10 +177,9 @@ class Replica(Actor):
 
     def _prefetch_next(self) -> None:
         """Start reading the batch the next step will draw (drawn, not taken: the cursor stays)."""
-        open_shards = self._open()
-        if not open_shards:
+        if not self.cursors:
             return
-        shard = open_shards[self._turn % len(open_shards)]
+        shard = sorted(self.cursors)[self._turn % len(self.cursors)]
         indices, _ = self.shard_plan.next_batch(self.cursors[shard], self.batch_size)
         self.rows.prefetch(indices)
 
@@ -302,7 +263,7 @@ class Replica(Actor):
         stats = self.sync.stats()
         progress = Progress(
             self.name, self.incarnation, self.samples, self.steps, self._last_loss,
-            [[c.shard, c.epoch, c.position] for c in self.trained.values()],
+            [[c.shard, c.epoch, c.position] for c in self.cursors.values()],
             stats.bytes_pushed, stats.bytes_pulled, stats.pushes, stats.dense_bytes_pushed, stats.versions,
             self.batch_size,
         )
@@ -333,12 +294,11 @@ class Replica(Actor):
         """The runner changed which data shards this replica trains."""
         if self._refused("new data shards", msg.epoch):
             return
+        idle = not self.cursors
         self._set_cursors(msg.cursors)
         log.info("replica %s: now training shards %s", self.name, self._where())
-        if self._open():
-            self._ended_logged = False
-            if self.running and not self._step_queued:  # it was idle: no shard, or every one ended
-                self._next_step()
+        if idle and self.cursors and self.running:
+            self._next_step()
 
     @handler
     async def stop_training(self, msg: StopTraining) -> None:

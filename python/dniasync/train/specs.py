@@ -281,9 +281,6 @@ class ReplicaSpec:
     e.g. :class:`PSLinkSpec` (Downpour) or :class:`SharedStoreSpec` (Hogwild)."""
     coordinator: str
     """Where its progress reports go (the job runner's address)."""
-    max_epochs: int = 0
-    """A data shard's cursor ends at this epoch (the job's ``stop.max_epochs``; 0: never): the replica trains no
-    sample past it, and once every shard it holds has ended it waits for the stop (or for another shard)."""
 
 
 @message("dniasync.train.StagesSpec")

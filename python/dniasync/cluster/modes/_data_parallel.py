@@ -170,7 +170,7 @@ class DataParallelJob:
             self._held.add(name)
             cursors = []
         return Assignment(ReplicaSpec(self.model_spec, self.data_spec, self.optimizer_spec, cursors,
-                                      self.sync_spec(), self.runner.ref.address, self.config.stop.max_epochs))
+                                      self.sync_spec(), self.runner.ref.address))
 
     async def ready(self, ready: Ready) -> None:
         state = self.replicas.get(replica_name(ready.member))
@@ -406,12 +406,6 @@ class DataParallelJob:
         self.samples_before, self.steps_before = int(meta["samples"]), int(meta["steps"])
 
     def done(self) -> str | None:
-        """Every data shard's cursor, as its replica last reported it, has ended its ``stop.max_epochs`` (the
-        replicas draw nothing past it): the job ends then, even where samples a replica trained were lost with
-        it and the count falls short of the budget (its shard was trained again from its last reported place)."""
-        epochs = self.config.stop.max_epochs
-        if self.cursors and all(c.epoch >= epochs for c in self.cursors.values()):
-            return f"trained {epochs} epochs"
         return None
 
     def members(self) -> dict[str, str]:
