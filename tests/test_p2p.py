@@ -249,6 +249,19 @@ async def test_duplicates_are_applied_once() -> None:
         assert b.counters.duplicate == 1
 
 
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), -0.25, 1.5])
+async def test_an_update_with_a_weight_outside_0_1_is_refused_before_it_counts(weight: float) -> None:
+    async with _peers(2, local_steps=2) as (a, b):
+        await _train(a, 2, seed=0)
+        await _settle([a, b])
+        before, waiting = b.w.copy(), len(b._pending)  # a's update 1 waits for an outer step of b's
+        seq, codec, payload, _ = a._own[0]
+        with pytest.raises(ValueError, match="not within"):
+            b.on_update(Update(a.origin, seq + 1, codec, payload, a.me, weight))
+        assert b.counters.received == 1 and seq + 1 not in b.ledger[a.origin] and len(b._pending) == waiting
+        np.testing.assert_array_equal(b.w, before)
+
+
 async def test_a_busy_link_holds_the_next_update_and_the_one_after_carries_both_steps() -> None:
     """Flow control: while an update still waits for the wire to a peer, the next step's change is not coded; the
     update after carries it. Two peers on two nodes over a real socket (no shared-memory ring), a model big enough

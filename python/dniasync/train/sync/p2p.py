@@ -767,12 +767,13 @@ class P2PSync:
         if got is not None and msg.seq in got:
             self.counters.duplicate += 1
             return
+        weight = self._weight_of(msg)  # refused before it is counted, forwarded or applied
         self.counters.received += 1
         self._spread(msg, own=False)
         if self.spec.local_steps == 1:
             self._apply(msg.origin, msg.seq, msg.codec, msg.payload)
         else:
-            self._pending.append((msg.origin, msg.seq, self._decode(msg.codec, msg.payload), self._weight_of(msg)))
+            self._pending.append((msg.origin, msg.seq, self._decode(msg.codec, msg.payload), weight))
             self._mark(msg.origin, msg.seq)
             if self._stopped:
                 self._apply_pending()
