@@ -287,18 +287,20 @@ async def test_many_in_flight_trains(digits: tuple[torch.Tensor, torch.Tensor], 
     async with ActorSystem() as system:
         refs = await spawn_stages(system, mlp(seed=2), GROUPS, settings, 64, mailbox_size=64)
         async with PipelineDriver(system, refs, Schedule(max_in_flight=4)) as driver:
-            result = await driver.train(x[:1400], y[:1400], epochs=4, batch_size=32, seed=0,
+            result = await driver.train(x[:1400], y[:1400], epochs=8, batch_size=32, seed=0,
                                         eval_x=x[1400:], eval_y=y[1400:])
     # Every rule learns (chance is 0.1). How far it gets depends on the order in which the stages' messages happen
-    # to run, which the machine's load decides: with a mean gap of 2.2-2.6 at the first stage, 0.69-0.85 in 16 runs
-    # on a loaded machine (SpecTrain 0.79-0.84, stash 0.69-0.80). Which rule is better is the benchmarks' question
+    # to run, which the machine's load decides. With a mean gap of 2.2-2.7 batches at the first stage and momentum
+    # 0.9 the accuracy swings in the first epochs (down to 0.23 after epoch 3 or 4 in some orders) and settles later:
+    # after 4 epochs 0.46-0.83 (CI saw stash at 0.49), after 8 epochs 0.80-0.88 in 16 runs on a quiet machine and
+    # 0.81-0.89 in 20 beside two busy loops. Which rule is better is the benchmarks' question
     # (benchmarks/pipeline_accuracy.py); here only a bar no order can fail.
     assert result.history[-1].accuracy > 0.5
     assert result.stats[0].sg_staleness_total > 0
-    assert all(s.steps == 176 for s in result.stats)  # every batch's true gradient, once, at every stage
+    assert all(s.steps == 352 for s in result.stats)  # every batch's true gradient, once, at every stage
     # ... and every stage's layer clock (regrouping's measure, and the job's time per batch) counted each backward,
     # the stashing rules' (through the graph of the stashed or predicted weights) as well
-    assert all(s.layer_batches == 176 and sum(s.layer_seconds) > 0 for s in result.stats)
+    assert all(s.layer_batches == 352 and sum(s.layer_seconds) > 0 for s in result.stats)
 
 
 async def test_spectrain_measures_the_gap_it_predicts_with(digits: tuple[torch.Tensor, torch.Tensor]) -> None:
