@@ -41,8 +41,8 @@ def push(seq: int, grad: float, *, replica: str = "r0") -> Push:
     return Push(replica, 1, seq, 0, "none", values.view(np.uint8), 32)
 
 
-async def spawn_copy(system: ActorSystem, copy: int, *, joining: bool = False) -> ActorRef:
-    spec = ShardSpec(0, 0, np.zeros(N, np.float32), OptimizerSpec("adagrad", 0.1))
+async def spawn_copy(system: ActorSystem, copy: int, *, joining: bool = False, optimizer: str = "adagrad") -> ActorRef:
+    spec = ShardSpec(0, 0, np.zeros(N, np.float32), OptimizerSpec(optimizer, 0.1))
     return await system.spawn(ChainShard, CopySpec(spec, copy, joining), name=f"ps-0-{copy}")
 
 
@@ -64,9 +64,12 @@ async def params(ref: ActorRef) -> Params:
     return reply
 
 
-async def test_every_copy_applies_the_acknowledged_pushes_in_one_order_and_a_dead_copy_loses_none() -> None:
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])  # Adam: a joining copy continues the step count
+async def test_every_copy_applies_the_acknowledged_pushes_in_one_order_and_a_dead_copy_loses_none(
+    optimizer: str,
+) -> None:
     async with ActorSystem() as system:
-        a, b, c = [await spawn_copy(system, j) for j in range(3)]
+        a, b, c = [await spawn_copy(system, j, optimizer=optimizer) for j in range(3)]
         await view(1, [a, b, c])
         routes = [ChainRoute(0, [a, b, c], replica=name) for name in ("r0", "r1")]
 
@@ -74,7 +77,7 @@ async def test_every_copy_applies_the_acknowledged_pushes_in_one_order_and_a_dea
             for seq in range(first, first + n):
                 await route.push(push(seq, 0.01 * seq, replica=route.replica))
 
-        # two replicas at once, Adagrad (the order matters): the same parameters on every copy, bit for bit
+        # two replicas at once (the order matters to either rule): the same parameters on every copy, bit for bit
         await asyncio.gather(*(train(route, 1, 10) for route in routes))
         assert [(await stats(ref))["applied"] for ref in (a, b, c)] == [20, 20, 20]
         first = [await params(ref) for ref in (a, b, c)]
@@ -98,7 +101,7 @@ async def test_every_copy_applies_the_acknowledged_pushes_in_one_order_and_a_dea
         assert (await stats(a))["rejected"]["duplicate"] == 0  # the push sent again was answered, not applied
 
         # a restarted copy joins at the tail: the old tail sends it its state, then pushes go on
-        d = await spawn_copy(system, 3, joining=True)
+        d = await spawn_copy(system, 3, joining=True, optimizer=optimizer)
         with pytest.raises(CatchingUp):
             await params(d)
         await view(3, [a, c, d], joining=[d])

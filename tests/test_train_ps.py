@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -139,19 +141,21 @@ def test_unknown_staleness_policy_is_an_error() -> None:
         StalenessPolicy("random")
 
 
-async def test_a_shard_restarted_from_its_snapshot_continues_exactly() -> None:
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])  # Adam: the restarted shard continues the step count
+async def test_a_shard_restarted_from_its_snapshot_continues_exactly(optimizer: str) -> None:
     from dniasync.train.messages import ShardSnapshot, SnapshotShard
     from dniasync.train.specs import ShardResume
 
-    opt = OptimizerSpec("adagrad", 0.5, eps=1e-10)
+    opt = OptimizerSpec(optimizer, 0.5, eps=1e-10)
     async with ActorSystem() as system:
         first = await system.spawn(PSShard, ShardSpec(0, 0, np.zeros(N, np.float32), opt), name="ps-0")
         for seq in (1, 2, 3):
             await first.tell(push(seq, np.linspace(-1, 1, N, dtype=np.float32) * seq))
         snap: ShardSnapshot = await first.ask(SnapshotShard())
         await first.tell(Fence("zombie"))
-        assert len(snap.state) == 1 and snap.version >= 3  # adagrad: one accumulator slot
-        resume = ShardResume(snap.version, snap.state, snap.ledger, snap.fenced)
+        assert len(snap.state) == {"adagrad": 1, "adam": 2}[optimizer] and snap.version >= 3  # the rule's slots
+        assert snap.steps == 3
+        resume = ShardResume(snap.version, snap.state, snap.ledger, snap.fenced, snap.steps)
         second = await system.spawn(PSShard, ShardSpec(0, 0, snap.values, opt, resume=resume), name="ps-0b")
         version, w = await values(second)
         assert version == snap.version
@@ -200,3 +204,42 @@ async def test_pulls_are_deltas_between_dense_resyncs_and_dense_without_a_codec(
         reply = await plain.ask(PullDelta("r0", 1, 0, 0))
         again = await plain.ask(PullDelta("r0", 1, reply.stream, reply.seq))
         assert reply.dense and again.dense  # no codec: every answer dense, as a plain Pull
+
+
+async def test_a_shard_resumed_from_a_checkpoint_file_takes_adams_next_step_as_the_shard_it_came_from(
+    tmp_path: Path,
+) -> None:
+    """The job's resume path (``--resume``): the snapshot written to a checkpoint and read back, step count
+    included (without it Adam's bias correction starts again at step 1: a step several times too small)."""
+    from dniasync.cluster import durable
+    from dniasync.train.checkpoint import CheckpointStore, Part
+    from dniasync.train.messages import ShardSnapshot, SnapshotShard
+
+    opt = OptimizerSpec("adam", 0.05)
+    spec = ShardSpec(0, 0, np.zeros(N, np.float32), opt)
+    store = CheckpointStore(tmp_path, "job", {"job": {"name": "job"}})
+    async with ActorSystem() as system:
+        first = await system.spawn(PSShard, spec, name="ps-0")
+        for seq in range(1, 8):
+            await first.tell(push(seq, np.linspace(-1, 1, N, dtype=np.float32) * seq))
+        snap: ShardSnapshot = await first.ask(SnapshotShard())
+        assert snap.steps == 7
+        durable.write(store, durable.shard_parts({0: snap}), {"wall_s": 1.0})
+        loaded = store.latest()
+        assert loaded is not None
+        (resumed,) = durable.resumed_specs([spec], loaded)
+        assert resumed.resume is not None and resumed.resume.steps == 7
+        second = await system.spawn(PSShard, resumed, name="ps-0b")
+        await first.tell(push(8, np.ones(N, np.float32)))
+        await second.tell(push(8, np.ones(N, np.float32)))
+        (_, w1), (_, w2) = await values(first), await values(second)
+        np.testing.assert_array_equal(w1, w2)
+    # a checkpoint written before shards saved their count: its version (which counts every step) stands in
+    old = CheckpointStore(tmp_path / "old", "job", {"job": {"name": "job"}})
+    part = durable.shard_parts({0: snap})["ps-0"]
+    durable.write(old, {"ps-0": Part(part.tensors, {k: v for k, v in part.meta.items() if k != "steps"})},
+                  {"wall_s": 1.0})
+    loaded = old.latest()
+    assert loaded is not None and "steps" not in loaded.part_meta("ps-0")
+    (resumed,) = durable.resumed_specs([spec], loaded)
+    assert resumed.resume is not None and resumed.resume.steps == snap.version >= 7

@@ -135,6 +135,9 @@ class ParamStore:
         """Updates applied to the segment so far; every update bumps it."""
     def steps(self, segment: str) -> int:
         """Optimizer steps applied to the segment (Adam's bias-correction count)."""
+    def set_steps(self, segment: str, steps: int) -> None:
+        """Set the segment's step count: a store that takes over another's parameters and optimizer state
+        continues its count, so Adam's bias correction is the one that state was built with."""
     def view(self, segment: str | None = None, state: int = 0) -> NDArray[np.float32]:
         """Zero-copy writable view of a segment (all parameters when None); state 1.. = optimizer state.
 

@@ -48,7 +48,7 @@ def shard_parts(snapshots: dict[int, ShardSnapshot]) -> dict[str, Part]:
     for k, snap in snapshots.items():
         tensors = {"values": snap.values, **{f"state{slot}": s for slot, s in enumerate(snap.state, start=1)}}
         parts[f"ps-{k}"] = Part(tensors, {"version": snap.version, "ledger": snap.ledger, "fenced": snap.fenced,
-                                          "slots": len(snap.state)})
+                                          "slots": len(snap.state), "steps": snap.steps})
     return parts
 
 
@@ -75,7 +75,9 @@ def resumed_specs(specs: list[ShardSpec], loaded: LoadedCheckpoint) -> list[Shar
             continue
         meta, tensors = loaded.part_meta(part), loaded.tensors(part)
         state = [np.asarray(tensors[f"state{slot}"]) for slot in range(1, int(meta["slots"]) + 1)]
-        resume = ShardResume(int(meta["version"]) + 1, state, dict(meta["ledger"]), list(meta["fenced"]))
+        # a checkpoint written before shards saved their step count: its version counts at least every step
+        steps = int(meta.get("steps", meta["version"]))
+        resume = ShardResume(int(meta["version"]) + 1, state, dict(meta["ledger"]), list(meta["fenced"]), steps)
         out.append(ShardSpec(spec.shard, spec.offset, np.asarray(tensors["values"]), spec.optimizer, spec.codec,
                              spec.staleness, spec.max_staleness, resume))
     return out

@@ -99,7 +99,7 @@ class ShardKeeper:
                              spec.max_staleness, resume)
         log.warning("PS shard %d restarts on %s from its snapshot at version %d (now %d)", k, member, snap.version,
                     version)
-        resume = ShardResume(version, snap.state, snap.ledger, snap.fenced)
+        resume = ShardResume(version, snap.state, snap.ledger, snap.fenced, snap.steps)
         return ShardSpec(k, spec.offset, snap.values, spec.optimizer, spec.codec, spec.staleness, spec.max_staleness,
                          resume)
 

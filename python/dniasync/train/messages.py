@@ -129,6 +129,9 @@ class ShardSnapshot:
     state: list[np.ndarray]
     ledger: dict[str, list[int]]
     fenced: list[str]
+    steps: int
+    """Optimizer steps its state holds (Adam's bias-correction count): a shard continuing from the snapshot
+    continues the count, so its next step is the one this shard would have taken."""
 
 
 @message("dniasync.train.Reshard")
@@ -137,14 +140,16 @@ class Reshard:
     """Ask a PS shard to hold another slice of the model from now on (its layers moved between stages).
 
     ``values`` and ``state`` (the optimizer's slots) replace what it holds;
-    it continues at ``version`` (never lower than any version it served), keeps
-    its push ledger and fenced replicas, and answers every replica's next pull
-    densely. Answered with its stats.
+    it continues at ``version`` (never lower than any version it served) and
+    with ``steps`` optimizer steps counted, keeps its push ledger and fenced
+    replicas, and answers every replica's next pull densely. Answered with its
+    stats.
     """
 
     values: np.ndarray
     state: list[np.ndarray]
     version: int
+    steps: int
 
 
 @message("dniasync.train.ShardStats")

@@ -95,6 +95,7 @@ class PSShard(Actor):
         if resume is not None:
             for slot, values in enumerate(resume.state, start=1):
                 self.store.write(SEGMENT, np.ascontiguousarray(values, dtype=np.float32).reshape(-1), state=slot)
+            self.store.set_steps(SEGMENT, resume.steps)
             self.ledger = PushLedger.restore(resume.ledger)
             self.fenced = set(resume.fenced)
         # versions continue from the snapshot's: a restart never makes one go back
@@ -138,6 +139,7 @@ class PSShard(Actor):
         self._hold(msg.values)
         for slot, values in enumerate(msg.state, start=1):
             self.store.write(SEGMENT, np.ascontiguousarray(values, dtype=np.float32).reshape(-1), state=slot)
+        self.store.set_steps(SEGMENT, msg.steps)
         self._version_offset = msg.version - self.store.version(SEGMENT)
         self.followers.clear()  # what each replica held is of the old slice: the next answers are dense
         self.stream = max(self.stream + 1, time.time_ns() // 1000)
@@ -254,7 +256,8 @@ class PSShard(Actor):
             buffer = np.empty(self.n, dtype=np.float32)
             self.store.read_into(SEGMENT, buffer, state=slot)
             state.append(buffer)
-        return ShardSnapshot(self.shard, values, version, state, self.ledger.snapshot(), sorted(self.fenced))
+        return ShardSnapshot(self.shard, values, version, state, self.ledger.snapshot(), sorted(self.fenced),
+                             self.store.steps(SEGMENT))
 
     @handler
     def coordinator_epoch(self, msg: CoordinatorEpoch) -> None:

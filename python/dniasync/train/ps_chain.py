@@ -155,6 +155,7 @@ class ChainShard(PSShard):
         self.store.write(SEGMENT, np.ascontiguousarray(snap.values, dtype=np.float32).reshape(-1))
         for slot, values in enumerate(snap.state, start=1):
             self.store.write(SEGMENT, np.ascontiguousarray(values, dtype=np.float32).reshape(-1), state=slot)
+        self.store.set_steps(SEGMENT, snap.steps)
         self._version_offset = snap.version - self.store.version(SEGMENT)
         self.ledger = PushLedger.restore(snap.ledger)
         self.fenced = set(snap.fenced)

@@ -160,6 +160,8 @@ class ShardResume:
     ledger: dict[str, list[int]]
     """replica -> [incarnation, seq] of the last push applied: pushes stay idempotent across the restart."""
     fenced: list[str]
+    steps: int = 0
+    """Optimizer steps ``state`` holds (Adam's bias-correction count), which the shard continues."""
 
 
 @message("dniasync.train.ShardSpec")

@@ -327,6 +327,15 @@ impl ParamStore {
         Ok(self.counters(seg).steps.load(Ordering::Acquire))
     }
 
+    /// Sets segment `seg`'s optimizer step count to `steps`: a store that takes over the
+    /// parameters and optimizer state of another (a restart from a snapshot, a joining chain
+    /// copy) continues its count, so Adam's bias correction is the one the state was built with.
+    pub fn set_steps(&self, seg: usize, steps: u64) -> Result<()> {
+        self.segment(seg)?;
+        self.counters(seg).steps.store(steps, Ordering::Release);
+        Ok(())
+    }
+
     fn ticket(&self) -> u64 {
         self.tickets.fetch_add(1, Ordering::Relaxed)
     }

@@ -560,6 +560,47 @@ fn exact_add_from_many_threads_loses_nothing() {
 }
 
 #[test]
+fn a_store_given_anothers_state_and_step_count_continues_as_it_would() {
+    let adam = OptimizerConfig::new(Optimizer::Adam {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    });
+    let n = 100;
+    let grad = |k: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 7 + k * 3) % 11) as f32 - 5.0)
+            .collect()
+    };
+    let first = store(&[n], adam);
+    for k in 0..5 {
+        first.step_dense(0, &grad(k), 0.01).unwrap();
+    }
+    // a second store takes over the parameters and both moments, with and without the count
+    let took = |steps: Option<u64>| {
+        let s = store(&[n], adam);
+        for slot in 0..3 {
+            s.write(0, slot, &read(&first, 0, slot)).unwrap();
+        }
+        if let Some(t) = steps {
+            s.set_steps(0, t).unwrap();
+        }
+        s.step_dense(0, &grad(5), 0.01).unwrap();
+        s
+    };
+    let (counted, restarted) = (took(Some(first.steps(0).unwrap())), took(None));
+    first.step_dense(0, &grad(5), 0.01).unwrap();
+    assert_eq!(counted.steps(0).unwrap(), 6);
+    // bit for bit; without the count the bias correction starts again at step 1: a different step
+    assert_eq!(read(&counted, 0, 0), read(&first, 0, 0));
+    assert_ne!(read(&restarted, 0, 0), read(&first, 0, 0));
+    assert!(matches!(
+        counted.set_steps(1, 3),
+        Err(CoreError::UnknownSegment(_))
+    ));
+}
+
+#[test]
 fn nonfinite_gradient_is_rejected_counted_or_allowed() {
     let s = store(
         &[64],

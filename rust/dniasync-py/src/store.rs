@@ -251,6 +251,12 @@ impl ParamStore {
         self.inner.steps(self.seg(segment)?).map_err(to_py)
     }
 
+    fn set_steps(&self, segment: &str, steps: u64) -> PyResult<()> {
+        self.inner
+            .set_steps(self.seg(segment)?, steps)
+            .map_err(to_py)
+    }
+
     /// Zero-copy float32 view of a segment (or all parameters), slot 0 = parameters.
     #[pyo3(signature = (segment = None, state = 0))]
     fn view<'py>(

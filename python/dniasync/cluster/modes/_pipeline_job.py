@@ -507,6 +507,9 @@ class PipelineJob:
                 state[i] = [slot[offset:offset + sizes[i]] for slot in snap.state]
                 offset += sizes[i]
         version = max(snap.version for snap in snaps) + 1  # above every version any shard has served
+        # one count per shard: the moved layers' shards stepped about as often; the highest keeps Adam's bias
+        # correction where it was (it starts again at step 1 otherwise)
+        steps = max(snap.steps for snap in snaps)
         slots = len(snaps[0].state)
         for k, (before, after) in enumerate(zip(old, new, strict=True)):
             if list(before) == list(after):
@@ -515,7 +518,7 @@ class PipelineJob:
             assert ref is not None
             await ref.ask(Reshard(np.concatenate([values[i] for i in after]).astype(np.float32),
                                   [np.concatenate([state[i][s] for i in after]).astype(np.float32)
-                                   for s in range(slots)], version), timeout=60.0)
+                                   for s in range(slots)], version, steps), timeout=60.0)
 
     async def _watch_regroup(self) -> None:
         """Every ``interval_s``, beside the training: the stages' times to the policy, and its move, if any, left for
