@@ -54,13 +54,16 @@ class SharedStoreJob(DataParallelJob):
         tensors = {"values": self.store.view(self.segment).copy()}
         for slot in range(1, self.store.state_slots + 1):
             tensors[f"state{slot}"] = self.store.view(self.segment, state=slot).copy()
-        return meta, {"hogwild": Part(tensors)}
+        return meta, {"hogwild": Part(tensors, {"steps": self.store.steps(self.segment)})}
 
     def restore(self, loaded: LoadedCheckpoint) -> None:
         super().restore(loaded)
         tensors = loaded.tensors("hogwild")
         for slot in range(self.store.state_slots + 1):
             self.store.write(self.segment, tensors["values" if slot == 0 else f"state{slot}"], state=slot)
+        # Adam's bias correction goes on from the saved count (a checkpoint from before it was saved: the job's
+        # steps, every one of them a step of this store)
+        self.store.set_steps(self.segment, int(loaded.part_meta("hogwild").get("steps", self.steps_before)))
 
     async def close(self) -> None:
         self.store.close()

@@ -637,6 +637,7 @@ class P2PSync:
         out = {"shared": torch.from_numpy(self.w.copy())}
         for slot in range(1, self.store.state_slots + 1):
             out[f"state{slot}"] = torch.from_numpy(self.store.view(P2P_SEGMENT, state=slot).copy())
+        out["steps"] = torch.tensor(self.store.steps(P2P_SEGMENT), dtype=torch.int64)  # Adam's bias correction
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -646,6 +647,8 @@ class P2PSync:
             self._local_apart = True
         for slot in range(1, self.store.state_slots + 1):
             self.store.write(P2P_SEGMENT, state[f"state{slot}"].numpy(), state=slot)
+        if "steps" in state:  # saved since Adam's count is (before, it started again)
+            self.store.set_steps(P2P_SEGMENT, int(state["steps"]))
         self._restart_local()
 
     def stats(self) -> SyncStats:
