@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from _jobs import launch, summary
-from dniasync import ActorSystem
+from dniasync import Actor, ActorSystem, handler
 from dniasync.cluster.config import parse_config
 from dniasync.cluster.hosts import Host
 from dniasync.cluster.job import JobRunner
 from dniasync.cluster.protocol import COORDINATOR_NAME, JobStatus
-from dniasync.train.messages import Push, ShardStats
+from dniasync.train.messages import Progress, Push, ShardStats
 from dniasync.train.ps import PSShard
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -290,3 +290,48 @@ def test_a_hogwild_checkpoint_keeps_adams_step_count(tmp_path: Path) -> None:
     finally:
         for job in jobs:
             asyncio.run(job.close())
+
+
+
+class _Runner(Actor):
+    """Stands for the job runner: keeps every progress report."""
+
+    def __init__(self, reports: list[Progress], enough: asyncio.Event, samples: int) -> None:
+        self.reports, self.enough, self.samples = reports, enough, samples
+
+    @handler
+    def progress(self, msg: Progress) -> None:
+        self.reports.append(msg)
+        if msg.samples >= self.samples:
+            self.enough.set()
+
+
+async def test_a_replica_reports_each_time_it_has_trained_report_every_samples(tmp_path: Path) -> None:
+    """Beside its clock, a replica reports once it has trained ``report_every_samples`` since its last report, so
+    the runner sees an epoch budget spent within about that many samples a replica (a short job trains several
+    epochs in one 0.25 s report interval). The clock is set to an hour here: every report seen is one of these."""
+    import tomllib
+
+    from dniasync.cluster.modes._shared_store import SharedStoreJob
+    from dniasync.train.replica import Replica
+    from dniasync.train.specs import ReplicaSpec
+
+    config_path, _ = write_job(tmp_path, "reports", mode="hogwild")
+    job = SharedStoreJob(parse_config(tomllib.loads(config_path.read_text())), None, "off")  # type: ignore[arg-type]
+    reports: list[Progress] = []
+    enough = asyncio.Event()
+    try:
+        async with ActorSystem() as system:
+            runner = await system.spawn(_Runner, reports, enough, 3000, name="runner")
+            spec = ReplicaSpec(job.model_spec, job.data_spec, job.optimizer_spec, [[0, 0, 0]], job.sync_spec(),
+                               runner.address, report_every_samples=300)
+            await system.spawn(Replica, spec, progress_every_s=3600.0, name="replica")
+            await asyncio.wait_for(enough.wait(), 60)
+    finally:
+        await job.close()
+    samples = [0] + [r.samples for r in reports]
+    gaps = [b - a for a, b in zip(samples, samples[1:])]
+    # a step trains 8 batches of at most 32 (the shared store's steps per call): a report comes at the first step
+    # that takes the count 300 or more past the last report
+    assert len(gaps) >= 5 and all(300 <= gap < 300 + 8 * 32 for gap in gaps), gaps
+    assert [r.steps for r in reports] == sorted(r.steps for r in reports)

@@ -67,6 +67,7 @@ class Replica(Actor):
         self._loss_sum = 0.0
         self._loss_n = 0
         self._last_loss = float("nan")
+        self._reported_samples = 0
         self._reporter: asyncio.Task[None] | None = None
         self.schedule = make_schedule(spec.data.schedule)
         """The batch-size schedule (None: data.batch_size throughout); a dynamic one grows on this replica's tests."""
@@ -155,6 +156,9 @@ class Replica(Actor):
         self.samples += samples
         self._loss_sum += sum(losses)
         self._loss_n += len(losses)
+        every = self.spec.report_every_samples
+        if every and self.samples - self._reported_samples >= every:
+            await self._report()
         await self.sync.sync(samples)
         if self.running:
             self._next_step()
@@ -261,6 +265,7 @@ class Replica(Actor):
             self._last_loss = self._loss_sum / self._loss_n
             self._loss_sum, self._loss_n = 0.0, 0
         stats = self.sync.stats()
+        self._reported_samples = self.samples
         progress = Progress(
             self.name, self.incarnation, self.samples, self.steps, self._last_loss,
             [[c.shard, c.epoch, c.position] for c in self.cursors.values()],

@@ -283,6 +283,9 @@ class ReplicaSpec:
     e.g. :class:`PSLinkSpec` (Downpour) or :class:`SharedStoreSpec` (Hogwild)."""
     coordinator: str
     """Where its progress reports go (the job runner's address)."""
+    report_every_samples: int = 0
+    """Report also each time it has trained this many samples since its last report (0: on its clock only), so
+    that the runner sees the epoch budget spent before a whole report interval of training has gone past it."""
 
 
 @message("dniasync.train.StagesSpec")

@@ -46,6 +46,9 @@ FIRST_PROGRESS_GRACE_S = 60.0
 """A replica that was assigned gets this long to load its data and report once."""
 SLOW_FACTOR = 4
 """A silent replica whose node still answers heartbeats is given this many liveness periods."""
+REPORTS_PER_BUDGET = 100
+"""Progress reports each replica sends over its share of the epoch budget beside those on its clock (see
+:meth:`DataParallelJob.report_every_samples`): the job stops within about a hundredth of it past the budget."""
 
 
 WORKER_HOST = "worker-host"
@@ -170,7 +173,14 @@ class DataParallelJob:
             self._held.add(name)
             cursors = []
         return Assignment(ReplicaSpec(self.model_spec, self.data_spec, self.optimizer_spec, cursors,
-                                      self.sync_spec(), self.runner.ref.address))
+                                      self.sync_spec(), self.runner.ref.address, self.report_every_samples()))
+
+    def report_every_samples(self) -> int:
+        """How often (in samples) each replica reports beside its clock: :data:`REPORTS_PER_BUDGET` times over its
+        share of the epoch budget. A short job trains several epochs in one report interval (0.25 s); reports on
+        the clock alone let it train up to an interval past ``stop.max_epochs`` (48,272 samples for 40,000)."""
+        budget = self.config.stop.max_epochs * self.config.data.n_train
+        return max(1, -(-budget // (self.config.n_data_shards * REPORTS_PER_BUDGET)))
 
     async def ready(self, ready: Ready) -> None:
         state = self.replicas.get(replica_name(ready.member))
@@ -247,6 +257,8 @@ class DataParallelJob:
         state.last_seen = time.monotonic()
         state.reported = True
         self.unreported.discard(msg.replica)
+        if msg.samples < state.samples:
+            return  # an older report overtaken by a newer one (its counters only grow): nothing newer in it
         self.runner.report.add_bytes(pushed=msg.bytes_pushed - state.bytes_pushed,
                                      pulled=msg.bytes_pulled - state.bytes_pulled)
         state.samples, state.steps = msg.samples, msg.steps
