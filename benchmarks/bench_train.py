@@ -295,6 +295,14 @@ def _warm_up(optimizer: Any, sizes: list[int]) -> None:
     opt.step()
 
 
+def _adagrad(net: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """torch at its fastest: its fused Adagrad where this torch has the kernel (its default otherwise), with
+    torch's own eps, as the baselines of ``compare`` build theirs."""
+    from dniasync.train.sync import make_optimizer
+
+    return make_optimizer(list(net.parameters()), "adagrad", lr, eps=1e-10)
+
+
 def _worker(kind: str, rank: int, world: int, model: torch.nn.Module | None, port: int, counts: Any,
             ends: Any, finished: Any, ready: Any, go: Any, t0: Any, seconds: float, sizes: list[int],
             adagrad_lr: float = ADAGRAD_LR) -> None:
@@ -321,14 +329,14 @@ def _worker(kind: str, rank: int, world: int, model: torch.nn.Module | None, por
     plan = ShardPlan(N_TRAIN, world, SEED)
     if kind == "ddp":
         net: torch.nn.Module = DistributedDataParallel(model)
-        opt: torch.optim.Optimizer = torch.optim.Adagrad(net.parameters(), lr=adagrad_lr, fused=True)
+        opt: torch.optim.Optimizer = _adagrad(net, adagrad_lr)
         stop_flag = torch.zeros(1)
     elif kind == "hogwild":
         net = model
         opt = torch.optim.SGD(net.parameters(), lr=HOGWILD_LR)
     else:
         net = model
-        opt = torch.optim.Adagrad(net.parameters(), lr=adagrad_lr, fused=True)  # torch at its fastest
+        opt = _adagrad(net, adagrad_lr)
     epoch, step, done = 0, 0, False
     while not done:
         order = torch.from_numpy(plan.indices(rank, epoch))
