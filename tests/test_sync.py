@@ -615,3 +615,25 @@ async def test_a_replica_that_holds_the_values_a_shard_started_from_gets_a_delta
         assert await other.pull()  # a copy of other values: dense
         assert (other.dense_pulls, other.delta_pulls) == (1, 0)
         np.testing.assert_array_equal(other.buffer, truth)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "momentum", "nesterov", "adagrad", "adam"])
+def test_a_fused_optimizer_takes_a_gradient_laid_out_otherwise_than_its_parameter(kind: str) -> None:
+    """torch's fused CPU kernels read a gradient's memory as if laid out as the parameter: a transposed gradient
+    (as ``torch.autograd.grad`` can give) stepped the transpose's values. ``make_optimizer`` lays it out first:
+    the fused optimizer takes the default one's steps."""
+    from dniasync.train.sync import make_optimizer
+
+    torch.manual_seed(0)
+    start = torch.randn(64, 32)
+    fast, plain = nn.Parameter(start.clone()), nn.Parameter(start.clone())
+    fused = make_optimizer([fast], kind, 0.05, momentum=0.9)
+    default = make_optimizer([plain], kind, 0.05, momentum=0.9, fused=False)
+    assert fused.defaults.get("fused") and not default.defaults.get("fused")  # this torch fuses each of them
+    for _ in range(3):
+        grad = torch.randn(32, 64).t()  # (64, 32), not contiguous
+        fast.grad, plain.grad = grad, grad.clone()
+        fused.step()
+        default.step()
+    assert not torch.equal(fast, start)
+    torch.testing.assert_close(fast, plain)

@@ -63,9 +63,23 @@ def make_optimizer(
     if not fused:
         return build(None)
     try:
-        return build(True)
+        optimizer = build(True)
     except (RuntimeError, TypeError):  # this torch has no fused kernel for it on these tensors
         return build(None)
+    optimizer.register_step_pre_hook(_grads_laid_out_as_params)
+    return optimizer
+
+
+def _grads_laid_out_as_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before a fused step: a gradient laid out otherwise than its parameter becomes a copy laid out as it. torch's
+    fused CPU kernels read a gradient's memory as if its strides were the parameter's (torch 2.15: SGD, Adagrad and
+    Adam given a transposed gradient step with the transpose's values). ``backward()`` lays ``.grad`` out as the
+    parameter; a gradient from ``torch.autograd.grad`` set by hand (a stashing pipeline rule's) need not be."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is not None and not g.is_sparse and g.stride() != p.stride():
+                p.grad = torch.empty_like(p).copy_(g)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
