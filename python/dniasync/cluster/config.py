@@ -355,6 +355,11 @@ class Config:
         return self.job.output_dir or f"runs/{self.job.name}"
 
     @property
+    def sample_budget(self) -> int:
+        """The training samples ``stop.max_epochs`` allows, all workers together."""
+        return self.stop.max_epochs * self.data.n_train
+
+    @property
     def n_data_shards(self) -> int:
         """How many disjoint training shards (one per replica, worker or pipeline)."""
         return get_mode(self.mode).data_shards(self.settings)

@@ -288,7 +288,7 @@ class JobRunner(Actor):
         for shard, version in enumerate(msg.ps_versions):
             self.shards.note_version(shard, version)
         self.job.progress(msg)
-        if self.samples() >= self._sample_budget():
+        if self.samples() >= self.config.sample_budget:
             self.poke()  # the epoch budget is spent: stop now, not at the next tick
 
     # -- the tick: liveness, evaluation, stop rules ---------------------------------
@@ -343,9 +343,6 @@ class JobRunner(Actor):
     def samples(self) -> int:
         return self.job.samples()
 
-    def _sample_budget(self) -> int:
-        return self.config.stop.max_epochs * self.config.data.n_train
-
     def _stop_reason(self) -> str | None:
         stop = self.config.stop
         if stop.target_accuracy is not None and self.accuracy is not None and self.accuracy >= stop.target_accuracy:
@@ -353,7 +350,7 @@ class JobRunner(Actor):
         done = self.job.done()
         if done is not None:
             return done
-        if self.samples() >= self._sample_budget():
+        if self.samples() >= self.config.sample_budget:
             return f"trained {stop.max_epochs} epochs"
         if stop.max_seconds is not None and self.wall() >= stop.max_seconds:
             return f"ran {stop.max_seconds:g} s"

@@ -179,8 +179,7 @@ class DataParallelJob:
         """How often (in samples) each replica reports beside its clock: :data:`REPORTS_PER_BUDGET` times over its
         share of the epoch budget. A short job trains several epochs in one report interval (0.25 s); reports on
         the clock alone let it train up to an interval past ``stop.max_epochs`` (48,272 samples for 40,000)."""
-        budget = self.config.stop.max_epochs * self.config.data.n_train
-        return max(1, -(-budget // (self.config.n_data_shards * REPORTS_PER_BUDGET)))
+        return max(1, -(-self.config.sample_budget // (self.config.n_data_shards * REPORTS_PER_BUDGET)))
 
     async def ready(self, ready: Ready) -> None:
         state = self.replicas.get(replica_name(ready.member))
