@@ -438,6 +438,13 @@ def samples_to_target(model: str, data: tuple[torch.Tensor, ...], batch: int, lr
     every SNAPSHOT_EVERY samples (as the runs' snapshots are), the first ``budget`` samples at most; None: not
     reached. ``data``: ``_split()``'s (x, y, x_test, y_test). Seed ``seed``: the initial weights and the order of
     the samples."""
+    return samples_to_targets(model, data, batch, lr, seed, budget, (TARGET,))[TARGET]
+
+
+def samples_to_targets(model: str, data: tuple[torch.Tensor, ...], batch: int, lr: float, seed: int,
+                       budget: int, targets: Sequence[float]) -> dict[float, int | None]:
+    """``samples_to_target`` for each of ``targets``: the samples at the first snapshot at or above it (None: not
+    within ``budget``); one run, until every target is reached or the budget spent."""
     import torch.nn.functional as F
 
     from dniasync.train.flat import evaluate
@@ -448,6 +455,7 @@ def samples_to_target(model: str, data: tuple[torch.Tensor, ...], batch: int, lr
     opt = torch.optim.Adagrad(net.parameters(), lr=lr)
     x, y, x_test, y_test = data
     rng = np.random.default_rng(seed)
+    reached: dict[float, int | None] = dict.fromkeys(targets)
     done, next_eval = 0, SNAPSHOT_EVERY
     while done < budget:
         order = torch.from_numpy(rng.permutation(len(x)))
@@ -460,11 +468,23 @@ def samples_to_target(model: str, data: tuple[torch.Tensor, ...], batch: int, lr
             if done >= next_eval:
                 while next_eval <= done:
                     next_eval += SNAPSHOT_EVERY
-                if evaluate(net, x_test, y_test)[0] >= TARGET:
-                    return done
+                accuracy = evaluate(net, x_test, y_test)[0]
+                for t in targets:
+                    if reached[t] is None and accuracy >= t:
+                        reached[t] = done
+                if all(v is not None for v in reached.values()):
+                    return reached
             if done >= budget:
-                return None
-    return None
+                return reached
+    return reached
+
+
+def best_of(runs: dict[float, list[int | None]]) -> tuple[float, float] | None:
+    """(median samples, lr) of the lr with the fewest median samples (the smaller lr on a tie); None: no lr
+    reached the target on every seed."""
+    found = [(float(statistics.median([x for x in v if x is not None])), lr) for lr, v in runs.items()
+             if all(x is not None for x in v)]
+    return min(found) if found else None
 
 
 def sync_bound(model: str, nodes: Sequence[int], quick: bool) -> dict[str, Any]:
@@ -477,12 +497,6 @@ def sync_bound(model: str, nodes: Sequence[int], quick: bool) -> dict[str, Any]:
     lrs, seeds = ((0.01,), (0,)) if quick else (BOUND_LRS, BOUND_SEEDS)
     out: dict[str, Any] = {"budget_samples": budget, "lrs": list(lrs), "seeds": list(seeds), "batches": {}}
     data = _split()
-
-    def best_of(runs: dict[float, list[int | None]]) -> tuple[float, float] | None:
-        """(median samples, lr) of the lr with the fewest median samples (the smaller lr on a tie); None: no lr
-        reached the target on every seed."""
-        found = [(statistics.median(v), lr) for lr, v in runs.items() if all(x is not None for x in v)]
-        return min(found) if found else None
 
     for n in nodes:
         batch = 32 * n
