@@ -120,9 +120,10 @@ the pulled parameter deltas; the example's tau 0.02 and 10% of the parameter RMS
 for its 784-256-256-10 MLP; this MLP's 2048-wide layers have smaller gradients and weights, and with them one
 replica needed 7,104-7,584 samples to 90% (2 epochs, lr 0.01, for real; 0.886 at the end) where uncompressed
 Downpour needed 1,824-2,560 (0.927). tau 0.002 alone: 3,840; with delta_tau 0.0001: 2,432 (0.919). At 8 replicas
-(for real, 5 epochs): 16,252 samples to 90% with the example's against 9,528; emulated at 1 Gbit/s, 20,124 (7.5 s)
-against 13,016 (5.2 s, 3,029 samples/s: the finer codes did not slow it). The int8 codec instead: 2,944 samples
-at 1 replica, 8,380 at 8 emulated, but at 1,168 samples/s its quarter of the dense bytes fills the links (10.4 s)."""
+(for real, 5 epochs): 16,252 samples to 90% with the example's against 9,528, at 737 and 952 samples/s; emulated
+at 1 Gbit/s, 20,124 (7.5 s, an earlier run on another host) against 13,016 (5.2 s, 3,029 samples/s). The int8
+codec instead: 2,944 samples at 1 replica, 8,380 at 8 emulated, but at 1,168 samples/s its quarter of the dense
+bytes fills the links (10.4 s)."""
 PS_SHARDS_PER_NODES = 1
 """Downpour's PS shards: one per this many replicas (at least 2), so the PS grows with the job, as in DistBelief.
 With one per 2 replicas the shards saturated: 4 replicas ran at 1.19x the samples/s of 2, and the shards (0.29
