@@ -59,8 +59,10 @@ every_seconds = 1.0
 """
 
 SECTIONS = {
-    "downpour": ("[downpour]\nn_replicas = 2\nn_ps_shards = 1", "adagrad", 0.05, 8),
-    "hogwild": ("[hogwild]\nn_workers = 2", "adagrad", 0.05, 8),
+    # max_epochs an upper bound: the jobs stop at their 90% target (at 8, since jobs keep their epoch budget, a
+    # Downpour run ended at 0.872 in a fresh-clone CI)
+    "downpour": ("[downpour]\nn_replicas = 2\nn_ps_shards = 1", "adagrad", 0.05, 16),
+    "hogwild": ("[hogwild]\nn_workers = 2", "adagrad", 0.05, 16),
     "pipeline": ('[pipeline]\ngroups = [[0, 1], [2]]\nmethod = "sync"', "adam", 1e-3, 1),
     # examples/p2p_mnist.toml's exchange (threshold-coded updates to every peer), 2 peers
     "p2p": ('[p2p]\nn_peers = 2\ncodec = "threshold"\ntau = 0.006', "adagrad", 0.03, 8),
@@ -302,7 +304,7 @@ def test_a_converted_set_trains_as_the_in_memory_source_does(tmp_path: Path, mni
     if mode == "pipeline":  # synchronous stages, the same batches: the same run to the last bit (0.848 here)
         assert results["memory"] >= 0.8 and results["memory"] == results["converted"], results
     else:  # asynchronous workers (the interleaving differs run to run, 2 epochs gave 0.72-0.94), so no equality:
-        # the margin is the in-memory run's own bar, its 90% target, reached from both within the same 8 epochs
+        # the margin is the in-memory run's own bar, its 90% target, reached from both within the same 16 epochs
         assert results["memory"] >= 0.9 and results["converted"] >= 0.9, results
 
 
