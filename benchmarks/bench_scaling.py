@@ -21,11 +21,13 @@ The systems, on mnist5k (4,000 train / 1,000 held out, seed 0):
   PS shard), and ``spectrain``: examples/cnn_mnist_spectrain.toml's pipeline, with N workers as
   s stages x r pipeline replicas: s = N up to the cuts the model has (MLP 2, CNN 4), r = N / s
   (replicated SpecTrain is SpecTrain x Downpour: each stage predicts from its weights' velocity on
-  its PS shard);
+  its PS shard); replicated pipelines exchange with their stage shards every PIPELINE_EXCHANGE steps,
+  int8-coded (PIPELINE_CODEC), their shards stepping PIPELINE_OPTIMIZER;
 - ``ddp`` / ``ddp_powersgd``: torch DistributedDataParallel over gloo, plain and with PowerSGD
   (bench_links' wrapper, benchmarks/_scaling_torch.py), N ranks, over the same emulated links.
 Models: ``mlp``, bench_train's compute-bound MLP 784-2048-2048-10; ``cnn``, train/models.py's CNN
-(16/32 channels, GroupNorm, 128 hidden). Each system keeps its example's optimizer; the dniasync
+(16/32 channels, GroupNorm, 128 hidden). Each system keeps its example's optimizer (but the lrs of
+ADAGRAD_LR and the replicated pipelines' PIPELINE_OPTIMIZER); the dniasync
 modes snapshot the weights every 256 samples (``eval.deferred``: scored after the run, off the clock).
 
 Reported per (model, link, system, N): samples/s (steady: between the first and last snapshot),
@@ -90,6 +92,7 @@ TARGET = 0.90
 NODES = [1, 2, 4, 8]
 LINKS = {"1gbit": "1gbit:0.2ms", "100mbit": "100mbit:5ms"}
 MODES = ["downpour_codec", "p2p", "dni_downpour", "spectrain"]
+PIPELINES = ("dni_downpour", "spectrain")
 REFERENCES = ["ddp", "ddp_powersgd"]
 EPOCHS = {"mlp": 5, "cnn": 10}
 """The asynchronous modes' sample budget (20,000 and 40,000 samples): Downpour with the threshold codec reached
@@ -136,6 +139,27 @@ blockwise 8-bit, a quarter of the dense bytes. Without it every stage replica pu
 every step and the PS links saturated: SpecTrain x Downpour on the MLP ran at 287 and 326 samples/s at 4 and 8 nodes
 (1 Gbit/s) against 1,507 at 2 (one pipeline, no PS). ``threshold`` cost DNI x Downpour 13-15 points in 10 epochs
 (tau 0.002 and 0.01, with its PS shards' Adam); int8 0.3."""
+PIPELINE_EXCHANGE = {"mlp": 4}
+"""Replicated pipelines' ``pipeline.n_fetch`` and ``n_push`` on a model (1 otherwise): every stage replica pulls its
+weights from its stage's PS shard and pushes its summed gradient every this many steps. The MLP's second stage holds
+4.2 M of its 5.8 M weights on one shard, which at every step decoded, applied and answered each of its replicas: at 8
+nodes (4 replicas, 1 Gbit/s) DNI x Downpour ran at 544 samples/s against one pipeline's 886, its stages busy 17% of
+the time. Every 4 steps: 3,279 samples/s (one trial, Adam 3e-4). The CNN's shards are small: with this and
+PIPELINE_OPTIMIZER its 8-node SpecTrain reached 90% after 18,176 samples (4.6 s) against 20,384 (5.0 s) without,
+one trial each, so the CNN keeps the examples' settings."""
+PIPELINE_OPTIMIZER = {"mlp": {"name": "adagrad", "lr": 0.005}}
+"""The optimizer of replicated pipelines' PS shards on a model (the examples' otherwise: Adam 3e-4 for DNI x
+Downpour, momentum 0.02 / 0.9 for SpecTrain). A single pipeline (1 and 2 nodes) keeps its example's: its stages
+step their own weights, and stages train with Adam, SGD or momentum only. With 4 replicas pushing to one shard,
+momentum and Adam compound with the pushes' staleness (2.9): at 8 nodes (1 Gbit/s, pushes every 4 steps, one trial
+each, 20,000 samples) DNI x Downpour with Adam 3e-4 swung between 59% and 80% and never reached 90% in 60,000 samples
+(Adam 1.2e-3: 70%, 6e-4: 82%), SpecTrain with momentum 0.9 fell to 24% (0.5: 59%, Adam 3e-4: 76%); with Adagrad
+0.01, as Downpour has here, 89.4% and 85.8%, rising at every snapshot. In 10 epochs at 0.01, DNI x Downpour fell to
+11% at 10,536 samples and ended at 83.9% (SpecTrain: 90% at 13.4 s); at 0.005 90% at 34,768 samples, 12.3 s
+(SpecTrain: 13.5 s)."""
+PIPELINE_EPOCHS = {"mlp": 10}
+"""The pipelines' sample budget on a model (EPOCHS otherwise): 8 nodes of DNI x Downpour and SpecTrain x Downpour
+with Adagrad were at 89.4% and 85.8% after 5 epochs of the MLP."""
 RUN_CAP_S = 300.0
 """A dniasync run stops after this many real seconds even before its sample budget (a replicated DNI x Downpour
 pipeline at 8 nodes pushes its stages' dense weights every step: 15 GB for the MLP's budget)."""
@@ -202,8 +226,11 @@ def job(system: str, model: str, nodes: int, out: Path, epochs: int) -> dict[str
         s, r = stages(model, nodes)
         pipeline = doc["pipeline"]
         pipeline["groups"] = GROUPS[model][s]
+        if model in PIPELINE_OPTIMIZER and r > 1:
+            doc["optimizer"] = dict(PIPELINE_OPTIMIZER[model])
         if r > 1:
-            pipeline.update(replicas=r, n_fetch=1, n_push=1, codec=PIPELINE_CODEC)
+            every = PIPELINE_EXCHANGE.get(model, 1)
+            pipeline.update(replicas=r, n_fetch=every, n_push=every, codec=PIPELINE_CODEC)
         else:
             for key in ("replicas", "n_fetch", "n_push"):
                 pipeline.pop(key, None)
@@ -378,12 +405,19 @@ def _unaffected(kept: dict[str, Any], depends: dict[str, Any], run: Path) -> boo
     return not any(e.get("kind") == "eval_failed" for e in events)
 
 
+def budget_epochs(system: str, model: str) -> int:
+    """The epochs a system's run on a model may take: DDP_EPOCHS, PIPELINE_EPOCHS or EPOCHS."""
+    if system in REFERENCES:
+        return DDP_EPOCHS[model]
+    return (PIPELINE_EPOCHS if system in PIPELINES and model in PIPELINE_EPOCHS else EPOCHS)[model]
+
+
 def run_one(system: str, model: str, nodes: int, link: str | None, work: Path, quick: bool,
             reuse: bool = False, *, epochs: int | None = None, one_core: bool = False) -> dict[str, Any]:
     """One run (or its saved result, with ``reuse``), its figures printed; a failure is a result with its error."""
     runner = run_ddp if system in REFERENCES else run_dniasync
     if epochs is None:
-        epochs = 1 if quick else (DDP_EPOCHS if system in REFERENCES else EPOCHS)[model]
+        epochs = 1 if quick else budget_epochs(system, model)
     depends = {"system": system, "model": model, "nodes": nodes, "link": LINKS.get(link or "", "real"),
                "epochs": epochs, "target": TARGET, "snapshot_every": SNAPSHOT_EVERY,
                "lr": ADAGRAD_LR.get(model), **({} if system in REFERENCES else {"cap_s": RUN_CAP_S,
@@ -391,6 +425,9 @@ def run_one(system: str, model: str, nodes: int, link: str | None, work: Path, q
                **({"ps_shards_per_nodes": PS_SHARDS_PER_NODES, "staleness": DOWNPOUR_STALENESS.get(model, "none"),
                    **({"codec": DOWNPOUR_CODEC[model]} if model in DOWNPOUR_CODEC else {})}
                   if system == "downpour_codec" else {}),
+               **({"pipeline": {"exchange": PIPELINE_EXCHANGE.get(model, 1),
+                                "optimizer": PIPELINE_OPTIMIZER.get(model, "example")}}
+                  if system in PIPELINES and model in PIPELINE_OPTIMIZER and stages(model, nodes)[1] > 1 else {}),
                "cores": 1 if one_core else cores()}
     run = work / f"{system}_{model}_{link or 'real'}_{nodes}{'_one_core' * one_core}_e{epochs}"
     saved = run / "result.json"
@@ -681,7 +718,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"target": TARGET, "cores": cores(), "tolerance": TOLERANCE, "runs": {},
                                "validation": {}, "links": {}, "work_dir": str(work),
-                               "epochs": {"dniasync": EPOCHS, "ddp": DDP_EPOCHS}, "bound": {}}
+                               "epochs": {"dniasync": EPOCHS, "ddp": DDP_EPOCHS, "pipelines": PIPELINE_EPOCHS},
+                               "bound": {}}
     committed = _common.RESULTS / "bench_scaling.json"
     if args.update:
         if args.quick or not committed.exists():
