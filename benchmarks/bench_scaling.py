@@ -162,7 +162,8 @@ PIPELINE_EPOCHS = {"mlp": 10}
 with Adagrad were at 89.4% and 85.8% after 5 epochs of the MLP."""
 RUN_CAP_S = 300.0
 """A dniasync run stops after this many real seconds even before its sample budget (a replicated DNI x Downpour
-pipeline at 8 nodes pushes its stages' dense weights every step: 15 GB for the MLP's budget)."""
+pipeline at 8 nodes pushed its stages' dense weights every step, before PIPELINE_CODEC and PIPELINE_EXCHANGE: 15 GB
+for the MLP's budget; at 100 Mbit/s the 8-node pipelines still stop at it)."""
 WORK = ROOT / "runs" / "bench_scaling"
 """Each run's directory; its ``result.json`` is taken again by ``--reuse`` when what it depends on is equal."""
 SNAPSHOT_EVERY = 256
