@@ -242,13 +242,14 @@ class RegroupConfig(Section, frozen=True):
         "move only when the predicted throughput gain is at least this (0.1: 10% more batches per second)"))] = 0.1
     cooldown_s: Annotated[float, Meta(ge=0.0, description=(
         "seconds after a move before the next may be decided, so estimates settle (the first move waits only for "
-        "the stages' calibration reports)"))] = 10.0
+        "the stages' calibration reports; with `profile`, for a cool-down from the stages' start too)"))] = 10.0
     max_moves: Annotated[int, Meta(ge=0, description="moves in a whole run at most (0: no bound)")] = 10
     interval_s: Annotated[float, Meta(gt=0.0, description=(
         "how often the stages' per-layer times are collected and the policy is asked"))] = 1.0
     profile: Annotated[bool, Meta(description=(
         "before training, time every layer in the coordinator's process and start from the split the policy "
-        "finds best for it instead of `pipeline.groups` (which still gives the number of stages)"))] = False
+        "finds best for it instead of `pipeline.groups` (which still gives the number of stages); that split "
+        "holds for `cooldown_s` before the first move may be decided"))] = False
 
 
 class ScheduleConfig(Section, frozen=True):

@@ -349,6 +349,8 @@ class PipelineJob:
         log.info("training %d pipeline(s) over %s", len(pipelines), addresses)
         self.tasks = [asyncio.create_task(self._train(r, d), name=f"pipeline-{r}") for r, d in enumerate(self.drivers)]
         if self.regrouper is not None:
+            if self.config.regroup.profile:  # the profiled split is the first decision: it holds for cooldown_s
+                self.regrouper.hold(asyncio.get_running_loop().time())
             self._watcher = asyncio.create_task(self._watch_regroup(), name="regroup-watch")
 
     def _batches(self, r: int) -> Iterator[torch.Tensor]:
