@@ -102,7 +102,7 @@ def test_former_dni_mode_names_point_to_pipeline() -> None:
         ("pipeline.placement", [0, 1], "pipeline.placement", "2 entries for 3 groups"),
         ("pipeline.placement", [0, 2, 2], "pipeline.placement", r"leaves workers \[1\] without a group"),
         ("pipeline.placement", [0, -1, 1], "pipeline.placement", ">= 0"),
-        ("optimizer.name", "adagrad", "optimizer.name", "stages train with 'adam', 'sgd', 'momentum'"),
+        ("optimizer.name", "nesterov", "optimizer.name", "stages train with 'adam', 'sgd', 'momentum', 'adagrad'"),
         ("optimizer.clip_norm", 1.0, "optimizer.clip_norm", "does not apply in mode 'pipeline'"),
         ("optimizer.weight_decay", 0.1, "optimizer.weight_decay", "does not apply in mode 'pipeline' with sync.kind 'local'"),
         ("model", {"factory": "torch.nn:Identity"}, "model.factory", "returns a Identity; mode 'pipeline' cuts an nn.Sequential"),
@@ -168,6 +168,8 @@ def test_spectrain_runs_with_ps_shards_and_any_of_their_optimizers_not_with_p2p(
     with pytest.raises(ConfigError, match="'optimizer.name' is 'sgd'; spectrain predicts with the momentum") as err:
         parse_config(with_(with_(spectrain, "pipeline.replicas", 1), "optimizer", {"name": "sgd", "lr": 0.05}))
     assert err.value.key == "optimizer.name"  # one pipeline steps its own optimizer: momentum or Adam
+    with pytest.raises(ConfigError, match="'optimizer.name' is 'adagrad'; spectrain predicts with the momentum"):
+        parse_config(with_(with_(spectrain, "pipeline.replicas", 1), "optimizer", {"name": "adagrad", "lr": 0.05}))
     p2p = with_(with_(spectrain, "sync.kind", "p2p"), "pipeline.tau", 5e-4)
     with pytest.raises(ConfigError, match="with sync.kind 'p2p' a stage steps a ParamStore") as err:
         parse_config(p2p)

@@ -72,16 +72,16 @@ def test_the_real_gradient_rules_are_registered() -> None:
 
 
 @pytest.mark.parametrize(("rule", "optimizer", "momentum"),
-                         [(r, "sgd", 0.9) for r in REAL] + [(r, "adam", 0.0) for r in REAL])
+                         [(r, "sgd", 0.9) for r in REAL] + [(r, "adam", 0.0) for r in REAL]
+                         + [(r, "adagrad", 0.0) for r in REAL if not r.startswith("spectrain")])
 async def test_one_batch_in_flight_reproduces_backprop(
     digits: tuple[torch.Tensor, torch.Tensor], rule: str, optimizer: str, momentum: float
 ) -> None:
     x, y = digits[0][:192], digits[1][:192]
     reference, untouched = mlp(seed=6), mlp(seed=6)
-    train_backprop(reference, x, y, epochs=2, batch_size=32, seed=3, lr=0.05 if optimizer == "sgd" else 1e-3,
-                   optimizer=optimizer, momentum=momentum)
-    settings = StageSettings(rule=rule, optimizer=optimizer, momentum=momentum,
-                             lr=0.05 if optimizer == "sgd" else 1e-3, max_in_flight=1)
+    lr = {"sgd": 0.05, "adam": 1e-3, "adagrad": 0.02}[optimizer]
+    train_backprop(reference, x, y, epochs=2, batch_size=32, seed=3, lr=lr, optimizer=optimizer, momentum=momentum)
+    settings = StageSettings(rule=rule, optimizer=optimizer, momentum=momentum, lr=lr, max_in_flight=1)
     batches = [idx for _, idx in batch_order(192, 32, epochs=2, seed=3)]
     async with ActorSystem() as system:
         refs = await spawn_stages(system, mlp(seed=6), GROUPS, settings, 64)
@@ -117,6 +117,15 @@ async def test_lr_decay_is_backprop_with_the_same_decay(digits: tuple[torch.Tens
     for key in want:
         assert not torch.allclose(want[key], constant.state_dict()[key], rtol=1e-4, atol=1e-5)  # the decay mattered
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+
+
+def test_beside_an_adagrad_stage_the_sg_and_input_models_step_adam() -> None:
+    """Their lrs are Adam's (an Adagrad stage itself reproduces backprop with Adagrad: above)."""
+    settings = StageSettings(rule="cdni", optimizer="adagrad", lr=0.05, synthetic_inputs=True)
+    rule = make_rule(settings, StageShape(16, 8, 64, last=False, index=1, stages=3))
+    rule.connect(has_upstream=True)
+    assert rule.sg is not None and rule.input_model is not None
+    assert isinstance(rule.sg.optimizer, torch.optim.Adam) and isinstance(rule.input_model.optimizer, torch.optim.Adam)
 
 
 def test_lr_decay_scales_the_sg_and_input_models_and_checks_its_settings() -> None:
@@ -210,8 +219,11 @@ def test_spectrain_prior_gap_and_its_checks() -> None:
     assert [prior_gap(r, 3, 1) for r in range(3)] == [0, 0, 0]
     with pytest.raises(ValueError, match="needs momentum > 0"):
         build_stages(mlp(), GROUPS, StageSettings(rule="spectrain", optimizer="sgd"), 64)
+    with pytest.raises(ValueError, match="spectrain cannot step 'adagrad' itself"):
+        build_stages(mlp(), GROUPS, StageSettings(rule="spectrain", optimizer="adagrad"), 64)
     # with PS shards, which apply any optimizer, the stages predict from the weights' velocity: no momentum needed
     build_stages(mlp(), GROUPS, StageSettings(rule="spectrain", optimizer="sgd", optimizer_on_ps=True), 64)
+    build_stages(mlp(), GROUPS, StageSettings(rule="spectrain", optimizer="adagrad", optimizer_on_ps=True), 64)
     with pytest.raises(ValueError, match="synthetic inputs need"):
         build_stages(mlp(), GROUPS, StageSettings(rule="stash", synthetic_inputs=True), 64)
 

@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import numpy as np
 
@@ -60,6 +60,12 @@ EVENT_STAGES_PLACED: Final = "stages_placed"
 EVENT_RESUME_REFUSED: Final = "resume_refused"
 EVENT_REGROUPED: Final = "regrouped"
 EVENT_SPLIT_PROFILED: Final = "split_profiled"
+
+
+def _stage_optimizer(name: str) -> Literal["adam", "sgd", "adagrad"]:
+    """The stages' optimizer for ``[optimizer] name``: SGD for ``sgd`` and ``momentum``, Adagrad for ``adagrad``, else
+    Adam. With PS shards the shards apply ``[optimizer]`` itself, and this names only the SG models' optimizer."""
+    return "sgd" if name in ("sgd", "momentum") else "adagrad" if name == "adagrad" else "adam"
 
 
 def split_text(groups: Sequence[Sequence[int]]) -> str:
@@ -160,7 +166,7 @@ class PipelineJob:
 
         p, opt = self.p, self.config.optimizer
         settings = StageSettings(
-            rule=p.method, lr=opt.lr, optimizer="sgd" if opt.name in ("sgd", "momentum") else "adam",  # with PS shards
+            rule=p.method, lr=opt.lr, optimizer=_stage_optimizer(opt.name),
             momentum=opt.momentum if opt.name == "momentum" and not self.config.sync_needs_ps else 0.0,  # they apply it
             optimizer_on_ps=self.config.sync_needs_ps,
             max_in_flight=p.max_in_flight, num_classes=self.num_classes, cache_size=max(64, 2 * p.max_in_flight, 2 * p.micro_batches),

@@ -7,7 +7,7 @@ cDNI: synthetic gradients; ``sync``: the synchronous GPipe-style baseline;
 ``async``, ``stash``, ``spectrain``: asynchronous 1F1B pipelines with real
 gradients; SpecTrain with PS shards predicts from the weights' observed velocity, as the stages step no optimizer
 of their own). With ``replicas = 1`` (``sync.kind = "local"``) each stage trains with ``[optimizer]``
-locally (``adam``, ``sgd`` or ``momentum``; ``lr`` and ``momentum`` only); with ``replicas > 1`` and the ``ps`` sync
+locally (``adam``, ``sgd``, ``momentum`` or ``adagrad``; ``lr`` and ``momentum`` only); with ``replicas > 1`` and the ``ps`` sync
 (DNI x Downpour, the default) every stage has one PS shard that applies ``[optimizer]`` to the pushes of its replicas;
 with ``replicas > 1`` and the ``p2p`` sync (DNI x p2p) there is no PS: each stage replica steps its own optimizer and
 sends its ``tau``-quantized updates to the stage's other replicas, applying its own and theirs.
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PIPELINE", "STAGE_PANELS", "PipelineConfig"]
 
-LOCAL_OPTIMIZERS = ("adam", "sgd", "momentum")
+LOCAL_OPTIMIZERS = ("adam", "sgd", "momentum", "adagrad")
 _SG_KEYS = ("synthetic_inputs", "sg_hidden_layers", "sg_hidden_width", "sg_lr", "sg_fit_rows")
 _ASYNC_METHODS = ("dni", "cdni", "async", "stash", "spectrain", "spectrain_stash")
 _BUILTIN_FEATURES = {"mnist5k": 784, "digits": 64}
@@ -229,9 +229,9 @@ class _Pipeline:
                 f"'optimizer.name' is {opt.name!r}; stages train with {', '.join(map(repr, LOCAL_OPTIMIZERS))} "
                 "(any optimizer with PS shards, which apply it: sync.kind 'ps' with pipeline.replicas > 1)",
                 "optimizer.name")
-        if p.method.startswith("spectrain") and opt.name == "sgd":
-            raise ConfigError("'optimizer.name' is 'sgd'; spectrain predicts with the momentum: use 'momentum' "
-                              "(SGD with momentum, as in the paper) or 'adam'", "optimizer.name")
+        if p.method.startswith("spectrain") and opt.name in ("sgd", "adagrad"):
+            raise ConfigError(f"'optimizer.name' is {opt.name!r}; spectrain predicts with the momentum: use "
+                              "'momentum' (SGD with momentum, as in the paper) or 'adam'", "optimizer.name")
         for key in ("weight_decay", "betas", "eps"):
             if key in given:
                 raise ConfigError(f"'optimizer.{key}' does not apply in mode 'pipeline' with sync.kind {kind!r} "

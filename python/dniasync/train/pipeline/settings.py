@@ -25,6 +25,9 @@ class StageSettings:
     its way back (DNI: outputs for SG training; sync: graphs; async, stash and
     spectrain: inputs, and stash its weight versions; spectrain_stash: graphs
     and predicted weights).
+    ``optimizer``: the stage's own torch optimizer (``"adam"``, ``"sgd"`` or
+    ``"adagrad"``); the SG and input models step Adam for an Adagrad stage
+    (their ``sg_lr`` and ``input_lr`` are Adam's), and the stage's own otherwise.
     ``momentum``: SGD's momentum (SpecTrain predicts with the momentum buffer).
     ``optimizer_on_ps``: the stages' replicas share their weights through PS
     shards, which apply the job's optimizer (any: ``optimizer`` and
@@ -45,7 +48,7 @@ class StageSettings:
 
     rule: str = "dni"
     lr: float = 1e-3
-    optimizer: Literal["adam", "sgd"] = "adam"
+    optimizer: Literal["adam", "sgd", "adagrad"] = "adam"
     momentum: float = 0.0
     optimizer_on_ps: bool = False
     max_in_flight: int = 1
@@ -62,9 +65,14 @@ class StageSettings:
     synthetic_inputs: bool = False
     input_lr: float = 1e-3
 
+    @property
+    def model_optimizer(self) -> str:
+        """The SG and input models' optimizer: Adam beside an Adagrad stage, else the stage's own."""
+        return "adam" if self.optimizer == "adagrad" else self.optimizer
+
     def __post_init__(self) -> None:
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        if self.optimizer not in ("adam", "sgd", "adagrad"):
+            raise ValueError(f"optimizer must be 'adam', 'sgd' or 'adagrad', got {self.optimizer!r}")
         if self.sg_hidden_layers < 0 or self.sg_hidden_width < 0 or self.sg_fit_rows < 0:
             raise ValueError("sg_hidden_layers, sg_hidden_width and sg_fit_rows must be >= 0")
         if self.send_timeout_s <= 0:

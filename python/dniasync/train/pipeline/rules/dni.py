@@ -66,7 +66,7 @@ class DNIRule(UpdateRule):
                     hidden_layers=settings.sg_hidden_layers,
                     hidden_width=settings.sg_hidden_width,
                     lr=settings.sg_lr,
-                    optimizer=settings.optimizer,
+                    optimizer=settings.model_optimizer,
                     shape=shape.out_shape,
                 )
         self._raw: OrderedDict[int, torch.Tensor] = OrderedDict()
@@ -84,7 +84,7 @@ class DNIRule(UpdateRule):
                     self.shape.raw_features,
                     self.shape.in_features,
                     lr=self.settings.input_lr,
-                    optimizer=self.settings.optimizer,
+                    optimizer=self.settings.model_optimizer,
                 )
 
     def diagnostics(self) -> dict[str, float]:

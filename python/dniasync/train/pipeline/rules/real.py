@@ -404,6 +404,9 @@ class SpecTrainRule(_RealGradientRule):
         super().check(settings)
         if not settings.optimizer_on_ps and settings.optimizer == "sgd" and settings.momentum <= 0.0:
             raise ValueError("spectrain with the optimizer 'sgd' needs momentum > 0 (it predicts with the momentum)")
+        if not settings.optimizer_on_ps and settings.optimizer == "adagrad":
+            raise ValueError("spectrain cannot step 'adagrad' itself (it predicts with SGD's momentum or Adam's "
+                             "step direction); with PS shards, which apply it, it can")
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {**super().state_tensors(), "version_gaps": torch.tensor(list(self._gaps), dtype=torch.float64)}
