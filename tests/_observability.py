@@ -296,7 +296,7 @@ class Prometheus:
         self.log.close()
 
 
-def fetch(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as resp:
+def fetch(url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
         body: bytes = resp.read()
         return body.decode()

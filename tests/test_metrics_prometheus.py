@@ -19,6 +19,7 @@ import time
 import urllib.error
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -99,6 +100,8 @@ class Scraped:
     nodes: list[str]
     state: Callable[[], str]
     """Each job's launcher and node logs and the DNI node's: printed by a failure, naming the node that went."""
+    logs: Path
+    """Where the jobs' output directories are (``<job>/logs/*.log``)."""
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +131,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
                                                  f"{sandblaster.output()}\n{p2p.output()}")
             time.sleep(0.5)
         yield Scraped(prometheus, nodes, lambda: "\n".join(
-            [c.state() for c in (cluster, sandblaster, p2p)] + [dni.state() if dni else ""]))
+            [c.state() for c in (cluster, sandblaster, p2p)] + [dni.state() if dni else ""]), tmp)
     finally:
         # side by side: a job takes seconds to stop, the replicated one's 10 s (its replicas retry a push the
         # stopped PS copies never acknowledged until their node's shutdown grace cancels it)
@@ -212,11 +215,24 @@ def test_every_panel_query_returns_data(scraped: Scraped) -> None:
     print(f"{len(results)} dashboard queries returned data")
 
 
+def test_no_node_of_any_job_logged_an_error(scraped: Scraped) -> None:
+    """Served and scraped for a while, every job's nodes ran clean (the Sandblaster coordinator's live page once
+    failed every sample: its PS shards keep no staleness histogram)."""
+    logs = sorted(scraped.logs.glob("*/logs/*.log"))
+    assert len(logs) >= 3 * 3, logs
+    errors = [f"{log.parent.parent.name}/{log.name}: {line}" for log in logs
+              for line in log.read_text(errors="replace").splitlines() if " ERROR " in line]
+    assert not errors, "\n".join(errors[:10])
+
+
 def test_promtool_accepts_every_nodes_metrics(scraped: Scraped) -> None:
+    """Each node's exposition, as promtool reads it. A node gets a minute to answer: in one fresh-clone CI run a p2p
+    peer of the job here did not answer within 10 s (its heartbeats late too, its loop held up; not seen in 19 runs
+    of this module since, the cause not found), and how fast a node answers under this load is not what this checks."""
     promtool = need("promtool", "prometheus")
     for node in scraped.nodes:
         try:
-            text = fetch(f"http://{node}/metrics")
+            text = fetch(f"http://{node}/metrics", timeout=60.0)
         except (urllib.error.URLError, TimeoutError) as e:  # a read that times out raises TimeoutError itself
             raise AssertionError(f"node {node} does not answer: {e}\n{scraped.state()}") from e
         assert "dniasync_build_info{" in text

@@ -122,14 +122,14 @@ class LivePage:
         self.series.append(point)
 
     async def _staleness(self, trainer: JobRunner) -> dict[str, Figure]:
-        """Sum and count of push staleness over every PS shard (none if a shard did not answer); refreshes the
-        histogram."""
+        """Sum and count of push staleness over every PS shard (none if a shard did not answer, or keeps no staleness:
+        Sandblaster's, whose batches are synchronous); refreshes the histogram."""
         shards = [ref for ref in trainer.ps if ref is not None]
         if not shards:
             return {}
         replies = await asyncio.gather(*(ref.ask(ShardStats(), timeout=2.0) for ref in shards), return_exceptions=True)
         stats = [r for r in replies if isinstance(r, dict)]
-        if len(stats) != len(shards):
+        if len(stats) != len(shards) or not all("staleness_counts" in s for s in stats):
             return {}  # a gap in the line, not a wrong mean
         self.staleness_counts = [sum(s["staleness_counts"][i] for s in stats) for i in range(len(self.staleness_counts))]
         return {"staleness_sum": float(sum(int(s["staleness_sum"]) for s in stats)),
