@@ -29,6 +29,7 @@ from ._membership import COORDINATOR, Join, Leave, join_cluster
 from . import _training  # noqa: F401  (registers the training side of the roles)
 from ._launchers import AutoStart, LauncherError, follow_job, resolve_auto
 from ._live import LivePage
+from ._loopwatch import LoopWatch
 from ._local import PROG, run_local
 from ._metrics import mount_metrics
 from ._roles import NEEDS_JOIN, NODE_INFO, ROLES, NodeContext, NodeInfo, load_actor_class
@@ -292,62 +293,67 @@ async def run_node(options: dict[str, Any]) -> int:
     role: str = options["role"]
     status = 0
     follower: asyncio.Task[int] | None = None
-    async with ActorSystem() as system:
-        transport = WebSocketTransport(
-            system,
-            options["listen"],
-            token=options["token"],
-            advertise=options.get("advertise"),
-            settings=options["settings"],
-            starting=True,  # peers allow startup_grace_s of silence until the roles run and the node joined
-        )
-        node_metrics = NodeMetrics(system, role, transport)
-        mount_metrics(transport.app, node_metrics)
-        live = LivePage(transport, node_metrics) if role in ("coordinator", "standby") else None
-        if live is not None:
-            live.mount(transport.app)
-        try:
-            await transport.start()
-        except OSError as exc:
-            print(f"error: cannot listen on {options['listen']}: {exc.strerror or exc}", file=sys.stderr)
-            return 1
-        operator: web.AppRunner | None = None
-        try:
-            if "metrics_listen" in options:
-                try:
-                    operator = await _serve_operator(options, transport, node_metrics, live)
-                except OSError as exc:
-                    print(f"error: cannot listen on {options['metrics_listen']}: {exc.strerror or exc}", file=sys.stderr)
-                    return 1
-            context = NodeContext(system, transport, role, options.get("join"), stop, options)
-            try:
-                await ROLES[role](context)
-            except _training.ResumeError as exc:
-                print(f"error: {exc}", file=sys.stderr)
-                return 2
+    watch = LoopWatch(loop)  # a loop held up (its heartbeats stopping) logs where every thread is
+    watch.start()
+    try:
+        async with ActorSystem() as system:
+            transport = WebSocketTransport(
+                system,
+                options["listen"],
+                token=options["token"],
+                advertise=options.get("advertise"),
+                settings=options["settings"],
+                starting=True,  # peers allow startup_grace_s of silence until the roles run and the node joined
+            )
+            node_metrics = NodeMetrics(system, role, transport)
+            mount_metrics(transport.app, node_metrics)
+            live = LivePage(transport, node_metrics) if role in ("coordinator", "standby") else None
             if live is not None:
-                live.start(context)
-            await system.spawn(NodeInfo, context, name=NODE_INFO)
-            for cls, name in options["actors"]:
-                await system.spawn(cls, name=name)
-            print(f"dniasync node {role} listening on {transport.address}", flush=True)
-            if "launch" in options:  # started by a launcher: the node lives as long as its job
-                follower = asyncio.create_task(follow_job(context), name="follow-job")
-            joined = await _join(context)
-            if joined:
-                print(f"dniasync node {transport.address} joined the cluster via {context.join}", flush=True)
-            transport.mark_ready()
-            await stop.wait()
-            log.info("shutting down")
-            if joined:
-                await _leave(context)
-        finally:
-            if follower is not None:
-                stop.set()
-                status = await follower
-            if operator is not None:
-                await operator.cleanup()
-            await transport.close()
+                live.mount(transport.app)
+            try:
+                await transport.start()
+            except OSError as exc:
+                print(f"error: cannot listen on {options['listen']}: {exc.strerror or exc}", file=sys.stderr)
+                return 1
+            operator: web.AppRunner | None = None
+            try:
+                if "metrics_listen" in options:
+                    try:
+                        operator = await _serve_operator(options, transport, node_metrics, live)
+                    except OSError as exc:
+                        print(f"error: cannot listen on {options['metrics_listen']}: {exc.strerror or exc}", file=sys.stderr)
+                        return 1
+                context = NodeContext(system, transport, role, options.get("join"), stop, options)
+                try:
+                    await ROLES[role](context)
+                except _training.ResumeError as exc:
+                    print(f"error: {exc}", file=sys.stderr)
+                    return 2
+                if live is not None:
+                    live.start(context)
+                await system.spawn(NodeInfo, context, name=NODE_INFO)
+                for cls, name in options["actors"]:
+                    await system.spawn(cls, name=name)
+                print(f"dniasync node {role} listening on {transport.address}", flush=True)
+                if "launch" in options:  # started by a launcher: the node lives as long as its job
+                    follower = asyncio.create_task(follow_job(context), name="follow-job")
+                joined = await _join(context)
+                if joined:
+                    print(f"dniasync node {transport.address} joined the cluster via {context.join}", flush=True)
+                transport.mark_ready()
+                await stop.wait()
+                log.info("shutting down")
+                if joined:
+                    await _leave(context)
+            finally:
+                if follower is not None:
+                    stop.set()
+                    status = await follower
+                if operator is not None:
+                    await operator.cleanup()
+                await transport.close()
+    finally:
+        watch.stop()
     return status
 
 
