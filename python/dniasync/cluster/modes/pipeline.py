@@ -63,8 +63,8 @@ class PipelineConfig(Section, frozen=True):
         "`dni` (synthetic gradients), `cdni` (synthetic gradients conditioned on the labels), `sync` (the "
         "synchronous pipeline baseline: real backprop, GPipe-style micro-batches), or an asynchronous 1F1B pipeline "
         "with real gradients, each stage updating as a batch's gradient returns: `async` (no correction), `stash` "
-        "(PipeDream weight stashing), `spectrain` (SpecTrain weight prediction; optimizer `momentum` or `adam`, or any "
-        "with PS shards, where it predicts from the weights' observed velocity) "
+        "(PipeDream weight stashing), `spectrain` (SpecTrain weight prediction; optimizer `momentum` or `adam`, or "
+        "`adagrad` or any with PS shards, where it predicts from the weights' observed velocity) "
         "or `spectrain_stash` (SpecTrain's forward, then that forward's own graph back-propagated: the gradient at the "
         "predicted weights, no second forward, one weight copy per batch in flight)"))
     ] = "cdni"
@@ -229,9 +229,10 @@ class _Pipeline:
                 f"'optimizer.name' is {opt.name!r}; stages train with {', '.join(map(repr, LOCAL_OPTIMIZERS))} "
                 "(any optimizer with PS shards, which apply it: sync.kind 'ps' with pipeline.replicas > 1)",
                 "optimizer.name")
-        if p.method.startswith("spectrain") and opt.name in ("sgd", "adagrad"):
-            raise ConfigError(f"'optimizer.name' is {opt.name!r}; spectrain predicts with the momentum: use "
-                              "'momentum' (SGD with momentum, as in the paper) or 'adam'", "optimizer.name")
+        if p.method.startswith("spectrain") and opt.name == "sgd":
+            raise ConfigError("'optimizer.name' is 'sgd'; spectrain predicts with the momentum: use 'momentum' "
+                              "(SGD with momentum, as in the paper), 'adam' or 'adagrad' (predicted from the "
+                              "weights' observed velocity)", "optimizer.name")
         for key in ("weight_decay", "betas", "eps"):
             if key in given:
                 raise ConfigError(f"'optimizer.{key}' does not apply in mode 'pipeline' with sync.kind {kind!r} "

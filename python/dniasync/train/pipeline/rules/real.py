@@ -375,12 +375,20 @@ class WeightVelocity:
         return predicted
 
 
+def _observes(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether SpecTrain predicts from the weights' observed velocity: no optimizer of the stage's own (PS shards),
+    or one that keeps no step direction to predict with (Adagrad: its accumulated squares scale the gradient, the
+    gradient itself is not kept)."""
+    return optimizer is None or isinstance(optimizer, torch.optim.Adagrad)
+
+
 class SpecTrainRule(_RealGradientRule):
     """SpecTrain: the forward meets the weights predicted for the gradient's return; the backward the current ones.
 
     Predicts from the stage's own optimizer, SGD with momentum (the paper) or
-    Adam; with none (PS shards apply it), from the weights' observed velocity
-    (:attr:`velocity`). :attr:`gap` is the version gap predicted with now.
+    Adam; with none (PS shards apply it), or one that keeps no step direction
+    (Adagrad), from the weights' observed velocity (:attr:`velocity`).
+    :attr:`gap` is the version gap predicted with now.
     """
 
     recomputes: ClassVar[bool] = True
@@ -392,7 +400,7 @@ class SpecTrainRule(_RealGradientRule):
         self._forwards = 0
         self._predicted: dict[str, torch.Tensor] = {}
         self.velocity = WeightVelocity()
-        """The weights' own velocity, for a stage without an optimizer (PS shards)."""
+        """The weights' own velocity, for a stage without an optimizer (PS shards) or with Adagrad."""
         self._probe: tuple[int, Mapping[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
         """(batch id, the weights predicted for it, those its forward would have met unpredicted)"""
         self._probes = 0
@@ -404,9 +412,6 @@ class SpecTrainRule(_RealGradientRule):
         super().check(settings)
         if not settings.optimizer_on_ps and settings.optimizer == "sgd" and settings.momentum <= 0.0:
             raise ValueError("spectrain with the optimizer 'sgd' needs momentum > 0 (it predicts with the momentum)")
-        if not settings.optimizer_on_ps and settings.optimizer == "adagrad":
-            raise ValueError("spectrain cannot step 'adagrad' itself (it predicts with SGD's momentum or Adam's "
-                             "step direction); with PS shards, which apply it, it can")
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {**super().state_tensors(), "version_gaps": torch.tensor(list(self._gaps), dtype=torch.float64)}
@@ -425,10 +430,11 @@ class SpecTrainRule(_RealGradientRule):
         if stage.last or gap == 0.0:
             return None
         optimizer = stage.params.optimizer
-        if optimizer is None:
+        if _observes(optimizer):
             predicted = await stage.run_blocking(self._predict_from_velocity, stage.layers, stage.steps, gap,
                                                  self._buffers(msg))
         else:
+            assert optimizer is not None
             predicted = await stage.run_blocking(predict_weights, stage.layers, optimizer, gap, self._buffers(msg))
         self._forwards += 1
         if self._probe is None and self._forwards % PROBE_EVERY == 0:
@@ -445,9 +451,10 @@ class SpecTrainRule(_RealGradientRule):
         return self.velocity.predict(layers, gap, out)
 
     async def _observe(self, stage: StageContext) -> None:
-        """Before a returning gradient steps: see what the pulls since the last step did to the weights, at the step
-        count they landed at (a stage with its own optimizer has nothing to observe)."""
-        if stage.params.optimizer is None and self.velocity.steps_seen != stage.steps:
+        """Before a returning gradient steps: see what the pulls (or, with Adagrad, the stage's own steps) since the
+        last step did to the weights, at the step count they landed at (a stage whose optimizer gives the step
+        direction has nothing to observe)."""
+        if _observes(stage.params.optimizer) and self.velocity.steps_seen != stage.steps:
             await stage.run_blocking(self.velocity.observe, stage.layers, stage.steps)
 
     def _buffers(self, msg: Forward) -> dict[str, torch.Tensor]:
