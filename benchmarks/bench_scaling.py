@@ -148,10 +148,11 @@ the time. Every 4 steps: 3,279 samples/s (one trial, Adam 3e-4). The CNN's shard
 PIPELINE_OPTIMIZER its 8-node SpecTrain reached 90% after 18,176 samples (4.6 s) against 20,384 (5.0 s) without,
 one trial each, so the CNN keeps the examples' settings."""
 PIPELINE_OPTIMIZER = {"mlp": {"name": "adagrad", "lr": 0.005}}
-"""The optimizer of the pipelines on a model (the examples' otherwise: Adam 3e-4 for DNI x Downpour, momentum 0.02 /
-0.9 for SpecTrain), where :func:`pipeline_optimizer` says: DNI x Downpour at every node count (a single pipeline's
-stages step Adagrad themselves), SpecTrain only replicated (r > 1), on its PS shards: a SpecTrain stage stepping its
-own weights predicts with momentum or Adam's step, so at 1 and 2 nodes it keeps its example's. With 4 replicas pushing to one shard,
+"""The optimizer of the pipelines on a model at every node count (the examples' otherwise: Adam 3e-4 for DNI x
+Downpour, momentum 0.02 / 0.9 for SpecTrain). Replicated, their PS shards step it; a single pipeline's stages step
+it themselves (SpecTrain's then predict from the weights' observed velocity, as on PS shards: Adagrad keeps no step
+direction). Until single pipelines could step Adagrad, their 1- and 2-node runs took the examples'. With 4 replicas
+pushing to one shard,
 momentum and Adam compound with the pushes' staleness (2.9): at 8 nodes (1 Gbit/s, pushes every 4 steps, one trial
 each, 20,000 samples) DNI x Downpour with Adam 3e-4 swung between 59% and 80% and never reached 90% in 60,000 samples
 (Adam 1.2e-3: 70%, 6e-4: 82%), SpecTrain with momentum 0.9 fell to 24% (0.5: 59%, Adam 3e-4: 76%); with Adagrad
@@ -204,18 +205,13 @@ def stages(model: str, nodes: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------- dniasync through the launcher
 
 
-def pipeline_optimizer(system: str, replicas: int) -> bool:
-    """Whether a pipeline ``system`` with ``replicas`` pipelines steps PIPELINE_OPTIMIZER (on its model)."""
-    return system != "spectrain" or replicas > 1
-
-
-def pipeline_depends(system: str, model: str, nodes: int) -> dict[str, Any]:
+def pipeline_depends(model: str, nodes: int) -> dict[str, Any]:
     """What of PIPELINE_EXCHANGE and PIPELINE_OPTIMIZER a pipeline run takes (empty: its example's settings)."""
     r = stages(model, nodes)[1]
     out: dict[str, Any] = {}
     if r > 1 and model in PIPELINE_EXCHANGE:
         out["exchange"] = PIPELINE_EXCHANGE[model]
-    if model in PIPELINE_OPTIMIZER and pipeline_optimizer(system, r):
+    if model in PIPELINE_OPTIMIZER:
         out["optimizer"] = PIPELINE_OPTIMIZER[model]
     return out
 
@@ -244,7 +240,7 @@ def job(system: str, model: str, nodes: int, out: Path, epochs: int) -> dict[str
         s, r = stages(model, nodes)
         pipeline = doc["pipeline"]
         pipeline["groups"] = GROUPS[model][s]
-        if model in PIPELINE_OPTIMIZER and pipeline_optimizer(system, r):
+        if model in PIPELINE_OPTIMIZER:
             doc["optimizer"] = dict(PIPELINE_OPTIMIZER[model])
         if r > 1:
             every = PIPELINE_EXCHANGE.get(model, 1)
@@ -443,7 +439,7 @@ def run_one(system: str, model: str, nodes: int, link: str | None, work: Path, q
                **({"ps_shards_per_nodes": PS_SHARDS_PER_NODES, "staleness": DOWNPOUR_STALENESS.get(model, "none"),
                    **({"codec": DOWNPOUR_CODEC[model]} if model in DOWNPOUR_CODEC else {})}
                   if system == "downpour_codec" else {}),
-               **({"pipeline": piped} if system in PIPELINES and (piped := pipeline_depends(system, model, nodes))
+               **({"pipeline": piped} if system in PIPELINES and (piped := pipeline_depends(model, nodes))
                   else {}),
                "cores": 1 if one_core else cores()}
     run = work / f"{system}_{model}_{link or 'real'}_{nodes}{'_one_core' * one_core}_e{epochs}"
