@@ -321,7 +321,8 @@ async def run_node(options: dict[str, Any]) -> int:
                     try:
                         operator = await _serve_operator(options, transport, node_metrics, live)
                     except OSError as exc:
-                        print(f"error: cannot listen on {options['metrics_listen']}: {exc.strerror or exc}", file=sys.stderr)
+                        print(f"error: cannot listen on {options['metrics_listen']}: {exc.strerror or exc}",
+                              file=sys.stderr)
                         return 1
                 context = NodeContext(system, transport, role, options.get("join"), stop, options)
                 try:

@@ -7,10 +7,10 @@ cDNI: synthetic gradients; ``sync``: the synchronous GPipe-style baseline;
 ``async``, ``stash``, ``spectrain``: asynchronous 1F1B pipelines with real
 gradients; SpecTrain with PS shards predicts from the weights' observed velocity, as the stages step no optimizer
 of their own). With ``replicas = 1`` (``sync.kind = "local"``) each stage trains with ``[optimizer]``
-locally (``adam``, ``sgd``, ``momentum`` or ``adagrad``; ``lr`` and ``momentum`` only); with ``replicas > 1`` and the ``ps`` sync
-(DNI x Downpour, the default) every stage has one PS shard that applies ``[optimizer]`` to the pushes of its replicas;
-with ``replicas > 1`` and the ``p2p`` sync (DNI x p2p) there is no PS: each stage replica steps its own optimizer and
-sends its ``tau``-quantized updates to the stage's other replicas, applying its own and theirs.
+locally (``adam``, ``sgd``, ``momentum`` or ``adagrad``; ``lr`` and ``momentum`` only); with ``replicas > 1`` and the
+``ps`` sync (DNI x Downpour, the default) every stage has one PS shard that applies ``[optimizer]`` to the pushes of
+its replicas; with ``replicas > 1`` and the ``p2p`` sync (DNI x p2p) there is no PS: each stage replica steps its own
+optimizer and sends its ``tau``-quantized updates to the stage's other replicas, applying its own and theirs.
 """
 
 from __future__ import annotations
