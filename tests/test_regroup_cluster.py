@@ -121,7 +121,7 @@ def test_a_regroup_section_outside_a_pipeline_job_is_refused() -> None:
 def test_a_profiled_job_starts_from_the_split_its_profile_chose(tmp_path: Path) -> None:
     """The profiled split counts as a move: it holds for the cool-down (here longer than the run), whatever the
     stages measure. ``min_gain`` is tiny so that any disagreement between the profile's times and the stages' would
-    be proposed at once: before the cool-down started with the stages, a run in 6 beside two busy loops moved."""
+    be proposed at once: before the cool-down started with the stages, 4 runs of 4 moved (quiet machine)."""
     out = tmp_path / "profiled"
     config = tmp_path / "profiled.toml"
     config.write_text(JOB.format(name="profiled", out=out, method="sync", epochs=2).replace(
