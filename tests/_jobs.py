@@ -91,3 +91,21 @@ def trained_log(log: Path, timeout: float = 120) -> str:
                 return text
         time.sleep(0.1)
     raise AssertionError(f"{log}: the job never trained")
+
+
+def node(role: str, *args: str, log: Path) -> subprocess.Popen[bytes]:
+    """One node process started by hand, as on separate machines (nobody restarts it), its output to ``log``."""
+    with log.open("wb") as fh:
+        return subprocess.Popen([sys.executable, "-m", "dniasync.node", "--role", role, *args],
+                                stdout=fh, stderr=subprocess.STDOUT)
+
+
+def listening(log: Path, timeout: float = 120) -> str:
+    """The address a node started by :func:`node` says it listens on, once its ``log`` says so."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if " listening on " in line:
+                return line.rsplit(" ", 1)[1]
+        time.sleep(0.1)
+    raise AssertionError(f"{log.name}: the node never listened:\n{log.read_text()}")

@@ -6,12 +6,13 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from _jobs import launch_two_at_a_time
+from _jobs import launch_two_at_a_time, listening, node
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = """
@@ -331,3 +332,54 @@ def test_dni_times_p2p_stage_replicas_apply_every_update_their_peer_sent(jobs: J
             assert metrics[f"pipeline{r}_stage{k}_p2p_has_pipeline{1 - r}"] == sent, metrics
     # what the stages reported sending (the settling after their last stats may add resends)
     assert 0 < doc["bytes_pushed"] <= sum(metrics[f"pipeline{r}_stage{k}_p2p_bytes_sent"] for r in (0, 1) for k in (0, 1))
+
+
+IMPORT_WATCH = """
+import sys, threading
+
+
+class ImportWatch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch._dynamo":
+            print(f"importing torch._dynamo on thread {threading.current_thread().name}", file=sys.stderr, flush=True)
+        return None
+
+
+sys.meta_path.insert(0, ImportWatch())
+from dniasync.node.cli import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+"""``python -c IMPORT_WATCH ARGS``: a node (``python -m dniasync.node ARGS``) that says on which thread it imports
+``torch._dynamo``."""
+
+
+def test_a_worker_started_by_hand_imports_what_its_stages_need_off_its_event_loop(tmp_path: Path) -> None:
+    """A node started by hand (or by Slurm, torchrun, the emulator) is not forked from a server that imported torch
+    for it. The first torch optimizer a stage makes imports ``torch._dynamo``: 1 s of CPU on a quiet machine, 3.1-3.6 s
+    seen under load, which on the event loop stops the node's heartbeats as long (its peers declare it dead after
+    3 s). Its host imports it on a blocking thread before it makes the stages."""
+    config, out = write_job(tmp_path, "byhand", epochs=1)
+    logs = {name: tmp_path / f"{name}.log" for name in ("coordinator", "worker0", "worker1")}
+    coordinator = node("coordinator", "--config", str(config), log=logs["coordinator"])
+    workers: list[subprocess.Popen[bytes]] = []
+    try:
+        join = listening(logs["coordinator"])
+        for name in ("worker0", "worker1"):
+            with logs[name].open("wb") as fh:
+                command = [sys.executable, "-c", IMPORT_WATCH, "--role", "worker", "--join", join]
+                workers.append(subprocess.Popen(command, stdout=fh, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (out / "summary.json").exists():
+            time.sleep(0.2)
+    finally:
+        for proc in [coordinator, *workers]:
+            proc.terminate()
+        for proc in [coordinator, *workers]:
+            proc.wait(timeout=60)
+    assert summary(out)["stop_reason"] == "trained 1 epochs", logs["coordinator"].read_text()
+    for name in ("worker0", "worker1"):
+        text = logs[name].read_text()
+        assert "hosting stages" in text, text
+        imports = [line for line in text.splitlines() if line.startswith("importing torch._dynamo on thread ")]
+        assert imports and all(not line.endswith(" MainThread") for line in imports), imports

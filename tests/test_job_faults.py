@@ -17,6 +17,8 @@ import pytest
 from dniasync.cluster.job import PS_LOST_AFTER_S
 from dniasync.node._zygote import SHARED_ENV
 
+from _jobs import listening, node
+
 JOB = """
 [job]
 name = "{name}"
@@ -108,23 +110,6 @@ def test_a_ps_shard_frozen_for_10_s_does_not_stop_the_job_or_its_stop_rules(tmp_
     assert "replica_failed" not in kinds  # replicas waiting on the frozen shard still report: they are alive
     down = next(e for e in doc["events"] if e["kind"] == "ps_down")
     assert doc["history"][-1]["samples"] > max(p["samples"] for p in doc["history"] if p["wall_s"] <= down["wall_s"])
-
-
-def node(role: str, *args: str, log: Path) -> subprocess.Popen[bytes]:
-    """One node process started by hand, as on separate machines (nobody restarts it), its output to ``log``."""
-    with log.open("wb") as fh:
-        return subprocess.Popen([sys.executable, "-m", "dniasync.node", "--role", role, *args],
-                                stdout=fh, stderr=subprocess.STDOUT)
-
-
-def listening(log: Path, timeout: float = 120) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in log.read_text().splitlines():
-            if " listening on " in line:
-                return line.rsplit(" ", 1)[1]
-        time.sleep(0.1)
-    raise AssertionError(f"{log.name}: the node never listened:\n{log.read_text()}")
 
 
 def test_a_killed_ps_shard_nobody_restarts_ends_the_job_naming_it_and_leaves_a_summary(tmp_path: Path) -> None:

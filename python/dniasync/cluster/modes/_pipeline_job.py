@@ -36,6 +36,7 @@ from ..report import EVENT_BATCH_SIZE, RunReport
 from ..shards import ShardKeeper
 from ._peers import ask_peer_stats, inbox_of, ledgers_complete, tell_peers
 from .p2p import SETTLE_S
+from .pipeline import STAGE_PRELOAD
 from ._pipeline_durable import PipelineDurability
 from .downpour import record_ps_stats
 
@@ -821,7 +822,7 @@ def _layer_state(state: Any) -> dict[str, Any]:
 
 async def host_stages(host: Host, spec: StagesSpec) -> list[ActorRef]:
     """On a worker node: build the model, cut it, spawn the stages ``spec`` assigns to this worker."""
-    pipeline_module = await host.run_blocking(importlib.import_module, "dniasync.train.pipeline")  # torch: seconds
+    pipeline_module = await host.run_blocking(_import_stage_modules)
     sync = importlib.import_module("dniasync.train.sync")
     settings = pipeline_module.StageSettings(**spec.settings)
     stages = await host.run_blocking(_build, spec, settings)
@@ -843,6 +844,15 @@ async def host_stages(host: Host, spec: StagesSpec) -> list[ActorRef]:
                                      supervision=Directive.STOP))
     log.info("hosting stages %s of pipeline %d", spec.hosted, spec.pipeline)
     return refs
+
+
+def _import_stage_modules() -> Any:
+    """The pipeline module, and ``torch._dynamo``, which the first torch optimizer a stage makes imports: seconds of
+    CPU (1 s quiet, 3.1-3.6 s seen under load) that on the event loop would stop the node's heartbeats as long, in a
+    node no fork server imported them for (one started by hand, by Slurm or torchrun, or emulated)."""
+    for name in STAGE_PRELOAD:
+        importlib.import_module(name)
+    return importlib.import_module("dniasync.train.pipeline")
 
 
 def _build(spec: StagesSpec, settings: Any) -> list[Any]:

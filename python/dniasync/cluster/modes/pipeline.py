@@ -16,7 +16,7 @@ optimizer and sends its ``tau``-quantized updates to the stage's other replicas,
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 
 from msgspec import Meta
 
@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 __all__ = ["PIPELINE", "STAGE_PANELS", "PipelineConfig"]
 
+STAGE_PRELOAD: Final = ("torch._dynamo",)
+"""What a worker imports before it makes stages (:meth:`Mode.preload`): every stage, and its synthetic-gradient
+model, steps a torch optimizer, and the first one made imports ``torch._dynamo``."""
 LOCAL_OPTIMIZERS = ("adam", "sgd", "momentum", "adagrad")
 _SG_KEYS = ("synthetic_inputs", "sg_hidden_layers", "sg_hidden_width", "sg_lr", "sg_fit_rows")
 _ASYNC_METHODS = ("dni", "cdni", "async", "stash", "spectrain", "spectrain_stash")
@@ -176,7 +179,7 @@ class _Pipeline:
         return config.checkpoint.every_seconds is not None  # stages come back from their pipeline's last capture
 
     def preload(self, config: Config) -> tuple[str, ...]:
-        return ("torch._dynamo",)  # every stage (and its synthetic-gradient model) steps a torch optimizer
+        return STAGE_PRELOAD
 
     def worker_state(self, members: Mapping[str, str], address: str) -> str | None:
         states = {state for name, state in members.items() if name.endswith(f"@{address}")}
