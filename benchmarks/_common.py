@@ -47,7 +47,7 @@ def machine() -> dict[str, Any]:
     try:
         import uvloop
 
-        info["uvloop"] = uvloop.__version__
+        info["uvloop"] = str(getattr(uvloop, "__version__", "?"))
     except ImportError:
         pass
     try:

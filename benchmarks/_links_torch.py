@@ -86,6 +86,10 @@ class Comm:
     def zero_grad(self) -> None:
         self.opt.zero_grad(set_to_none=True)
 
+    def wrap(self) -> None:
+        """Make ``net`` and ``opt``: on the clock, as each system's set-up."""
+        raise NotImplementedError
+
     def close(self) -> None:
         pass
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import _common
 
@@ -26,6 +27,7 @@ from dniasync.runtime import loop_factory, uses_uvloop
 
 
 @message("bench.Ping")
+@dataclass(frozen=True)
 class Ping:
     n: int
 
@@ -131,7 +133,7 @@ async def bare_tell(n: int) -> float:
 def pykka_rates(n_ask: int, n_tell: int) -> tuple[float, float]:
     import pykka
 
-    class PykkaEcho(pykka.ThreadingActor):  # type: ignore[misc]
+    class PykkaEcho(pykka.ThreadingActor):  # type: ignore[misc,unused-ignore]  # pykka without its types: Any
         def __init__(self) -> None:
             super().__init__()
             self.count = 0
@@ -157,7 +159,7 @@ def pykka_rates(n_ask: int, n_tell: int) -> tuple[float, float]:
 
 
 def best_of(repeats: int, bench: Callable[[int], Awaitable[float]], n: int) -> float:
-    rates = []
+    rates: list[float] = []
     for _ in range(repeats):
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
             rates.append(runner.run(bench(n)))  # type: ignore[arg-type]

@@ -149,7 +149,8 @@ class _ConvertedFiles:
     """A map-style torch dataset over a converted set's rows, opened in the worker that reads it."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self._data = path, None
+        self.path = path
+        self._data: Any = None
 
     def _open(self) -> Any:
         if self._data is None:
@@ -198,7 +199,7 @@ def batches_per_s(paths: dict[str, Path], rows: int, repeat: int) -> dict[str, A
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         """A replica's work between batches: one step of a 784-256-10 MLP."""
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        torch.nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
         opt.step()
 
     def replica_loop(source: Any, train: bool = False) -> float:
@@ -217,7 +218,8 @@ def batches_per_s(paths: dict[str, Path], rows: int, repeat: int) -> dict[str, A
         return len(positions) / (time.perf_counter() - t0)
 
     def dataloader() -> float:
-        loader = torch.utils.data.DataLoader(_ConvertedFiles(paths["1x"]), batch_sampler=row_batches, num_workers=1,
+        files: Any = _ConvertedFiles(paths["1x"])  # a map-style set by its __getitem__ and __len__
+        loader = torch.utils.data.DataLoader(files, batch_sampler=row_batches, num_workers=1,
                                              collate_fn=lambda b: (torch.from_numpy(b[0]), torch.from_numpy(b[1])))
         it = iter(loader)
         next(it)  # the worker started, its set opened: timed from its second batch, as the others from their first

@@ -331,13 +331,14 @@ def other_seeds(cell: str, model: str, workers: int, chosen: Sequence[tuple[Vari
 def machine_name() -> str | None:
     """The CPU a method's runs are on: rows run again later may be on another host of this kind, and the ratios
     compare only rows of one machine."""
-    return _common.cpu()["cpu_model"]
+    model = _common.cpu()["cpu_model"]
+    return None if model is None else str(model)
 
 
 def on_machine(cell: dict[str, Any], label: str, reference: str = "torch:all-cores") -> bool:
     """``label``'s rows ran on the machine ``reference``'s did."""
     methods = cell["methods"]
-    return methods.get(label, {}).get("machine") == methods.get(reference, {}).get("machine")
+    return bool(methods.get(label, {}).get("machine") == methods.get(reference, {}).get("machine"))
 
 
 def method_entry(v: Variant, setup: Setup, lr: float, rows: Sequence[dict[str, Any]],
@@ -536,7 +537,9 @@ def print_cell(name: str, cell: dict[str, Any]) -> None:
         spread = agg[key][f"{target:g}"] if target is not None else agg[key]
         if spread["median"] is None:
             return "not reached"
-        fmt = (lambda x: f"{x:.1f}") if target is not None else (lambda x: f"{100 * x:.1f}%")
+        def fmt(x: float) -> str:
+            return f"{x:.1f}" if target is not None else f"{100 * x:.1f}%"
+
         text = fmt(spread["median"])
         if spread["n"] > 1:
             text += f" [{fmt(spread['min'])}-{fmt(spread['max'])}]"

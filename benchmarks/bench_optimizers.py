@@ -425,7 +425,7 @@ def run_schedules(quick: bool) -> tuple[dict[str, Any], dict[str, float]]:
             run = train_with_schedule(fields, seed, epochs, n_train)
             runs[name].append(run)
             _common.say(f"  seed {seed} {name:16s} accuracy {run['accuracy']:.4f} updates {run['updates']}")
-    table = {name: {"median_accuracy": float(np.median([r["accuracy"] for r in rs])),
+    table: dict[str, dict[str, Any]] = {name: {"median_accuracy": float(np.median([r["accuracy"] for r in rs])),
                     "median_updates": float(np.median([r["updates"] for r in rs])), "runs": rs}
              for name, rs in runs.items()}
     results = {"epochs": epochs, "n_train": n_train, "seeds": seeds, "lr": SCHEDULE_LR, "lr_scaling": "none",

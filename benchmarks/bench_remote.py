@@ -196,7 +196,7 @@ def ray_ask(n: int) -> float | None:
     except ImportError:
         _common.say("ray is not installed (pip install -e .[bench]): skipping the Ray row")
         return None
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="error")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     try:
 
         @ray.remote

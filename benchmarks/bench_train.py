@@ -96,6 +96,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import tomllib  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 from copy import deepcopy  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -464,7 +465,7 @@ BIG_BLOCKS = [("big_torch_all_cores", "big_dniasync_hogwild", "big_dniasync_down
               ("big_torch_ddp", "big_torch_hogwild", "big_torch_single")]
 
 
-def run_order(systems: list[str], rep: int, pairs: list[tuple[str, ...]] = PAIRS) -> list[str]:
+def run_order(systems: list[str], rep: int, pairs: Sequence[tuple[str, ...]] = PAIRS) -> list[str]:
     """The compared pairs back to back (the load of the shared machine drifts), alternating who goes first."""
     blocks = [list(pair) if rep % 2 == 0 else list(reversed(pair)) for pair in pairs]
     blocks = blocks[rep % len(blocks):] + blocks[:rep % len(blocks)]

@@ -125,7 +125,7 @@ def table(args: Any) -> dict[str, Any]:
             for n_stages, rule, opt in runs:
                 model = factory()
                 model.load_state_dict(state)
-                st = StageSettings(rule=rule, optimizer=opt, momentum=momentum if opt == "sgd" else 0.0,
+                st = StageSettings(rule=rule, optimizer=opt,  # type: ignore[arg-type]  # adam, sgd: checked by argparse momentum=momentum if opt == "sgd" else 0.0,
                                    lr=lr if opt == optimizer else ADAM_LR, sg_hidden_layers=1, sg_hidden_width=8,
                                    sg_lr=1e-4)
                 started = time.perf_counter()
