@@ -125,6 +125,52 @@ async def test_small_messages_overtake_a_big_one_in_flight() -> None:
         assert seen == [1, 0], "the small tell waited behind the 32 MiB one"
 
 
+@message("test.transport.BigRead")
+@dataclass(frozen=True)
+class BigRead:
+    nbytes: int
+
+
+@message("test.transport.Poke")
+@dataclass(frozen=True)
+class Poke:
+    to: ActorRef
+    seq: int
+
+
+class Holder(Actor):
+    """Answers a :class:`BigRead` with that many bytes; a :class:`Poke` makes it tell ``to`` a small :class:`Note`."""
+
+    @handler
+    def big_read(self, msg: BigRead) -> np.ndarray:
+        return np.ones(msg.nbytes, dtype=np.uint8)
+
+    @handler
+    async def poke(self, msg: Poke) -> None:
+        await msg.to.tell(Note(msg.seq))
+
+
+async def test_small_messages_overtake_a_big_reply_in_flight() -> None:
+    """A big reply is written as a big tell is: what the replying node sends meanwhile goes between its parts (a
+    stage's weights for an evaluation held up the stage's small messages for the whole transfer on a slow link)."""
+    async with two_nodes(shm=False) as (a, b):  # through the socket: no shared-memory ring takes the payload
+        await b.system.spawn(Holder, name="holder")
+        rec = await a.system.spawn(Recorder, name="rec")
+        holder = a.system.ref(f"holder@{b.address}")
+        await holder.ask(Poke(rec, -1), timeout=10)  # connected both ways; its note came before the answer
+        assert await rec.ask(Read(), timeout=10) == [-1]
+        back = b.system.ref(f"rec@{a.address}")
+        asked = asyncio.create_task(holder.ask(BigRead(256 << 20), timeout=30))
+        async with asyncio.timeout(10):
+            while not back.unsent_bytes():  # the reply is on its way: queued or being written
+                await asyncio.sleep(0)
+        await holder.tell(Poke(rec, 1))  # the holder tells rec a small note behind the reply
+        assert (await asked).nbytes == 256 << 20
+        rec.tell_nowait(Note(0))
+        seen = await rec.ask(Read(), timeout=10)
+        assert seen == [-1, 1, 0], "the small tell waited behind the 256 MiB reply"
+
+
 async def test_tensors_and_refs_round_trip_through_an_ask() -> None:
     async with two_nodes() as (a, b):
         await b.system.spawn(Recorder, name="rec")

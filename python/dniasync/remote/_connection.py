@@ -254,29 +254,57 @@ class Connection:
 
     async def _finish_send(self, coro: Coroutine[Any, Any, None], waiting: Any) -> None:
         try:
-            while True:
-                if getattr(waiting, "_asyncio_future_blocking", False):
-                    # as a Task does with what a coroutine yields: else awaiting it again raises
-                    # "await wasn't used with future" while it is still pending
-                    waiting._asyncio_future_blocking = False
-                try:
-                    await waiting
-                except asyncio.CancelledError:
-                    coro.close()
-                    raise
-                except Exception:
-                    pass  # the coroutine reads the outcome itself on the next step
-                waiting = coro.send(None)
-        except StopIteration:
-            pass
-        except (ConnectionError, aiohttp.ClientError, RuntimeError) as exc:
-            self.transport.connection_lost(self, f"send failed: {exc}")
-            return
+            sent = await self._finish(coro, waiting)
         finally:
             self._draining = False
             self._drained.set()
-        if self.outbox:
+        if sent and self.outbox:
             self._wake.set()
+
+    async def _finish(self, coro: Coroutine[Any, Any, None], waiting: Any) -> bool:
+        """Run a write stepped once already (it yielded ``waiting``) to its end; False if the connection broke."""
+        try:
+            while True:
+                if waiting is None:  # a bare yield (asyncio.sleep(0)): let the loop turn
+                    await asyncio.sleep(0)
+                else:
+                    if getattr(waiting, "_asyncio_future_blocking", False):
+                        # as a Task does with what a coroutine yields: else awaiting it again raises
+                        # "await wasn't used with future" while it is still pending
+                        waiting._asyncio_future_blocking = False
+                    try:
+                        await waiting
+                    except asyncio.CancelledError:
+                        coro.close()
+                        raise
+                    except Exception:
+                        pass  # the coroutine reads the outcome itself on the next step
+                waiting = coro.send(None)
+        except StopIteration:
+            return True
+        except (ConnectionError, aiohttp.ClientError, RuntimeError) as exc:
+            self.transport.connection_lost(self, f"send failed: {exc}")
+            return False
+
+    def send_reply(self, op: int, frame: Encoded) -> None:
+        """Send a handler's reply without waiting. A small one, or one behind queued frames, goes as
+        :meth:`send_nowait` sends it; a big one (streamed in parts) with nothing queued before it is written as a
+        big tell is: started now, in order with what this node sends after it, and finished by a task, so that
+        small frames sent meanwhile go between its parts instead of behind all of it (a stage's weights, asked
+        for an evaluation, held up its small messages for the whole transfer: 1.8 s for an MLP's 23 MB at
+        100 Mbit/s)."""
+        if frame.payload_len <= self._part_bytes or self.outbox or self._draining:
+            self.send_nowait(op, frame, bounded=False)
+            return
+        writing = self._write(op, frame)
+        try:
+            waiting = writing.send(None)
+        except StopIteration:
+            return
+        except (ConnectionError, aiohttp.ClientError, RuntimeError) as exc:
+            self.transport.connection_lost(self, f"send failed: {exc}")
+            return
+        self.transport.spawn_task(self._finish(writing, waiting), f"ws-reply:{self.peer.node}")
 
     async def _write(self, op: int, frame: Encoded) -> None:
         counters = self.transport.counters

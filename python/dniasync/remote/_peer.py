@@ -121,7 +121,7 @@ class Peer:
     def send_reply(self, op: int, frame: Encoded) -> None:
         conn = self.conn
         if conn is not None:
-            conn.send_nowait(op, frame, bounded=False)
+            conn.send_reply(op, frame)
 
 
 _corr_ids = itertools.count(1)
