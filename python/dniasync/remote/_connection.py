@@ -10,7 +10,7 @@ import sys
 import termios
 from collections import deque
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 from aiohttp import web
@@ -236,15 +236,10 @@ class Connection:
         backpressure, a task finishes it and later frames queue behind it.
         """
         coro = self.ws.send_bytes(data)
-        try:
-            waiting = coro.send(None)
-        except StopIteration:
-            pass
-        except (ConnectionError, aiohttp.ClientError, RuntimeError) as exc:
-            # never raise into the caller (often an actor handing back a reply): the peer is down
-            self.transport.connection_lost(self, f"send failed: {exc}")
+        state, waiting = self._start(coro)
+        if state == "broken":
             return False
-        else:
+        if state == "waiting":
             self._draining = True
             self._drained.clear()
             self.transport.spawn_task(self._finish_send(coro, waiting), f"ws-drain:{self.peer.node}")
@@ -297,14 +292,21 @@ class Connection:
             self.send_nowait(op, frame, bounded=False)
             return
         writing = self._write(op, frame)
+        state, waiting = self._start(writing)
+        if state == "waiting":
+            self.transport.spawn_task(self._finish(writing, waiting), f"ws-reply:{self.peer.node}")
+
+    def _start(self, coro: Coroutine[Any, Any, None]) -> tuple[Literal["waiting", "done", "broken"], Any]:
+        """Step a write once, so that what it writes before its first wait goes on the wire now, in order: what
+        became of it, and what it waits on (for :meth:`_finish`). Never raises into the caller (often an actor
+        handing back a reply): a broken connection is lost, the peer down."""
         try:
-            waiting = writing.send(None)
+            return "waiting", coro.send(None)
         except StopIteration:
-            return
+            return "done", None
         except (ConnectionError, aiohttp.ClientError, RuntimeError) as exc:
             self.transport.connection_lost(self, f"send failed: {exc}")
-            return
-        self.transport.spawn_task(self._finish(writing, waiting), f"ws-reply:{self.peer.node}")
+            return "broken", None
 
     async def _write(self, op: int, frame: Encoded) -> None:
         counters = self.transport.counters
