@@ -765,3 +765,7 @@ def test_a_peer_frozen_for_10_s_does_not_stop_the_others_and_catches_up(tmp_path
     _assert_ledgers_complete(doc, peers)
     assert m["consensus_distance_settled"] < 1e-5
     assert doc["final_accuracy"] >= 0.9
+    # its loop watch says the whole process stood still, not a call on its loop (its own thread was stopped too)
+    paused = [float(line.split("could not run for ")[1].split(" s")[0]) for line in
+              cluster.logs["w2"].read_text().splitlines() if "loop watch's own thread could not run for" in line]
+    assert paused and max(paused) >= 9.5, paused

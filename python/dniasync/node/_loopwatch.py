@@ -6,7 +6,11 @@ declare it dead after ``detect_s``, and its ``/metrics`` and live page hang.
 After the fact nothing says why. :class:`LoopWatch` beats on the loop every
 ``tick_s``; a thread of its own checks the beat and, the first time in a stall
 that it is ``warn_s`` old, logs a warning with every thread's stack (the loop's
-thread shows what holds it), and another when the loop turns again.
+thread shows what holds it), and another when the loop turns again. When the
+watch's own thread could not run for ``warn_s`` either, that is logged first:
+the whole process was stopped (SIGSTOP, a debugger) or starved of CPU, or one
+call kept the GIL (a stack showing only the loop's native frames then points
+to the first two).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ class LoopWatch:
         self.tick_s = tick_s
         self.stalls = 0
         """Stalls of at least ``warn_s`` seen so far."""
+        self.pauses = 0
+        """Times the watch's own thread could not run for ``warn_s`` or more."""
         self._beat_at = time.monotonic()
         self._handle: asyncio.TimerHandle | None = None
         self._stopped = threading.Event()
@@ -70,9 +76,15 @@ class LoopWatch:
 
     def _watch(self) -> None:
         held_since: float | None = None
+        woke = time.monotonic()
         while not self._stopped.wait(self.tick_s / 2):
+            last, woke = woke, time.monotonic()
+            if woke - last >= self.warn_s:
+                self.pauses += 1
+                log.warning("the loop watch's own thread could not run for %.1f s: the process was stopped or "
+                            "starved of CPU, or one call kept the GIL that long", woke - last)
             beat_at = self._beat_at
-            held = time.monotonic() - beat_at
+            held = woke - beat_at
             if held_since is None and held >= self.warn_s:
                 held_since = beat_at
                 self.stalls += 1
