@@ -69,6 +69,17 @@ def test_no_target_and_no_history() -> None:
     assert data["final_accuracy"] is None and data["samples_per_s"] is None
 
 
+def test_an_evaluation_dated_as_the_last_one_replaces_it() -> None:
+    # after the stop time and samples stand still: a closing evaluation of the final weights (taken after the one
+    # in flight, whose weights were asked for before the last samples) has the same date and is the one kept
+    report = _run()
+    report.record_eval(4.5, 2600, 0.930, 0.25)
+    report.record_eval(4.5, 2600, 0.931, 0.24)
+    rows = report.to_dict()["history"]
+    assert [(r["wall_s"], r["samples"], r["accuracy"]) for r in rows[-2:]] == [(4.0, 2560, 0.93), (4.5, 2600, 0.931)]
+    assert report.to_dict()["final_accuracy"] == 0.931
+
+
 @pytest.mark.parametrize(
     ("action", "message"),
     [

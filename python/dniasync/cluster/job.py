@@ -112,6 +112,8 @@ class JobRunner(Actor):
         self._next_eval_steps = config.eval.every_steps or 0
         self._last_eval_wall = 0.0
         self._eval_task: asyncio.Task[None] | None = None
+        self._last_asked: int | None = None
+        """The sample count when the latest weights this runner evaluated were asked for (dated at arrival)."""
         self._snapshot_task: asyncio.Task[None] | None = None
         self._deferred: deque[Snapshot] = deque()
         self._ending: asyncio.Task[None] | None = None
@@ -376,6 +378,7 @@ class JobRunner(Actor):
     # -- evaluation ---------------------------------------------------------------
     async def _evaluate(self) -> None:
         """Take the weights now and score them (with ``eval.deferred``: keep them to score after training)."""
+        asked = self.samples()
         try:
             async with asyncio.timeout(self.config.eval.timeout_s):
                 snapshot = await self.job.snapshot()
@@ -384,6 +387,7 @@ class JobRunner(Actor):
             log.warning("evaluation skipped: could not take the weights (%r)", exc)
             return
         snapshot.wall, snapshot.samples = self.wall(), self.samples()  # dated when the weights arrived
+        self._last_asked = asked
         if not self.config.eval.deferred:
             await self._score(snapshot)
             return
@@ -449,10 +453,16 @@ class JobRunner(Actor):
             await asyncio.gather(self._eval_task, return_exceptions=True)
         last = self._deferred[-1].samples if self._deferred else (
             self.report.history[-1].samples if self.report.history else None)
-        # the replicas' last reports may arrive after the stop: an evaluation already dated at the final count
-        # saw the final weights (evaluating again would add the same row twice)
+        # An evaluation is dated when its weights arrive, and the counts that finish training may arrive before them
+        # (a stage's Done overtakes its big state reply; replicas report after the stop): one dated at the final
+        # count saw the final weights only if they were asked for at that count. If not, evaluate again: the weights
+        # are final now, and a row of the same date (both after the stop) is replaced by it (RunReport.record_eval).
         final = max(train_samples, self.samples())
-        if state == "finished" and not reason.startswith("reached") and (last is None or last < final):
+        unsure = last is not None and self._last_asked is not None and self._last_asked < final
+        if state == "finished" and not reason.startswith("reached") and (last is None or last < final or unsure):
+            if unsure and last == final:
+                log.info("the last evaluation's weights were asked for at %d samples, before the final %d: "
+                         "evaluating the final weights", self._last_asked, final)
             await self._evaluate()
         if self._deferred:
             log.info("training done: scoring %d deferred evaluations", len(self._deferred))

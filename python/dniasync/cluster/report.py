@@ -129,7 +129,8 @@ class RunReport:
     # ---------------------------------------------------------------- recording
 
     def record_eval(self, wall_s: float, samples: int, accuracy: float, loss: float) -> EvalPoint:
-        """Append one evaluation; time and samples may not go backwards."""
+        """Append one evaluation; time and samples may not go backwards. One dated as the last one (both
+        scored after the stop, when time and samples stand still) replaces it: its weights were taken later."""
         if not (math.isfinite(wall_s) and wall_s >= 0):
             raise ReportError(f"wall_s must be a finite number >= 0, got {wall_s}")
         if samples < 0:
@@ -144,7 +145,10 @@ class RunReport:
                     f"({last.wall_s} s / {last.samples} samples)"
                 )
         point = EvalPoint(float(wall_s), int(samples), float(accuracy), float(loss))
-        self._history.append(point)
+        if self._history and (self._history[-1].wall_s, self._history[-1].samples) == (point.wall_s, point.samples):
+            self._history[-1] = point  # the same date (both after the stop): the later weights replace the earlier
+        else:
+            self._history.append(point)
         self.wall_s = max(self.wall_s, point.wall_s)
         self.samples = max(self.samples, point.samples)
         return point
